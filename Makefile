@@ -1,0 +1,54 @@
+# Two commands do everything: `make train` and `make test`. Both create .venv on first use.
+#   make train ARGS="model=cnn trainer.max_epochs=5"   # Hydra overrides pass through ARGS
+#   make test PYTEST_ARGS="-k ddp -x"
+# TORCH picks the torch build installed before the project (default: the newest release;
+# a CPU-only machine can save gigabytes with e.g. TORCH="torch==2.13.0" where a CPU wheel is at hand).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch>=2.6
+ARGS ?=
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install train eval test test-slow test-all lint format clean-logs
+
+# Re-installs only when pyproject.toml changes (or the venv is missing): a second run is a no-op.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python 3.10+ is needed; run make PYTHON=python3.11 ...")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py $(ARGS)
+
+eval: $(STAMP)
+	$(PY) eval.py $(ARGS)
+
+# The default suite: everything but the tests marked slow (about 5 minutes on 2 cores).
+test: lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# pytest exits 5 when no test is marked slow: that is not a failure.
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-all: lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+clean-logs:
+	rm -rf logs/debug

@@ -1,0 +1,74 @@
+"""Hydra/OmegaConf resolvers and config helpers. Light imports only (no torch, no Lightning):
+this runs before `--help` and `--cfg job` answer.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# src/project/config.py -> repo root (the folder that holds `configs/`).
+ROOT_DIR = Path(__file__).resolve().parents[2]
+CONFIG_DIR = ROOT_DIR / "configs"
+
+_run_id: str | None = None
+
+
+def run_id() -> str:
+    """A name for this run, the same in every process of the run.
+
+    Order: env RUN_ID (set it to resume a run, or to name one across nodes) -> the torchrun
+    job id (shared by all ranks and kept across `--max-restarts`) -> SLURM job id -> a fresh
+    timestamp with a random suffix (so two runs started in the same second never collide).
+    """
+    global _run_id
+    if _run_id is None:
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        slurm = os.environ.get("SLURM_JOB_ID")
+        if os.environ.get("RUN_ID"):
+            _run_id = os.environ["RUN_ID"]
+        elif elastic not in ("", "none"):
+            _run_id = f"torchrun-{elastic}"
+        elif slurm:
+            _run_id = f"slurm-{slurm}"
+        else:
+            _run_id = time.strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(2)
+    return _run_id
+
+
+def is_rank_zero() -> bool:
+    """True in the process that is (or will be) global rank 0, judged from the launcher's env.
+
+    torchrun and SLURM set RANK / SLURM_PROCID; Lightning's own launcher sets only LOCAL_RANK
+    and NODE_RANK on the processes it starts.
+    """
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key]) == 0
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(node) == 0
+
+
+def register_resolvers() -> None:
+    """Idempotent: safe to call from every entry point."""
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id)
+    if not OmegaConf.has_resolver("root_dir"):
+        OmegaConf.register_new_resolver("root_dir", lambda: str(ROOT_DIR))
+    # The `.hydra/` snapshot is written by global rank 0 only; other ranks get null.
+    if not OmegaConf.has_resolver("rank_zero_subdir"):
+        OmegaConf.register_new_resolver(
+            "rank_zero_subdir", lambda name: name if is_rank_zero() else None
+        )
+
+
+def to_plain(cfg: Any) -> Any:
+    """DictConfig/ListConfig -> plain dicts/lists, resolved (for checkpoints and loggers)."""
+    if isinstance(cfg, DictConfig) or OmegaConf.is_list(cfg):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg

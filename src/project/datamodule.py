@@ -1,0 +1,81 @@
+"""The LightningDataModule: the multi-GPU data pattern around the plain digits dataset.
+
+`prepare_data` runs in one process per node and writes the arrays once (atomically);
+`setup` runs on every rank and memory-maps them. Lightning adds the DistributedSampler.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from project.digits import DigitsDataset, materialise, split_indices
+from project.errors import UserError
+
+
+def check_writable(data_dir: Path) -> None:
+    """Fail with a one-line fix when `data_dir` cannot be created or written."""
+    existing = data_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UserError(
+            f"data_dir {data_dir} cannot be written ({existing} is not a writable directory); "
+            "point it elsewhere with paths.data_dir=/some/writable/dir"
+        )
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """scikit-learn's 8x8 digits with a seeded train/val/test split."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        batch_size: int = 64,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        seed: int = 42,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.data_dir = Path(data_dir)
+        check_writable(self.data_dir)  # fail before any process or trainer is started
+        split_indices(10, val_fraction, test_fraction, seed)  # validates the fractions now
+
+    def prepare_data(self) -> None:
+        materialise(self.data_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        full = DigitsDataset(self.data_dir)
+        train, val, test = split_indices(
+            len(full), self.hparams.val_fraction, self.hparams.test_fraction, self.hparams.seed
+        )
+        self.train_set = DigitsDataset(self.data_dir, train)
+        self.val_set = DigitsDataset(self.data_dir, val)
+        self.test_set = DigitsDataset(self.data_dir, test)
+
+    def _loader(self, dataset: DigitsDataset, shuffle: bool) -> DataLoader:
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            pin_memory=self.hparams.pin_memory,
+            persistent_workers=self.hparams.persistent_workers and workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)

@@ -1,0 +1,80 @@
+"""The command line: config-only commands stay light, bad input gets one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, child_env, run_script
+
+
+def imported_modules(args: list[str]) -> set[str]:
+    """Top-level modules imported by `python train.py args` (via -X importtime)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln.split("|")[-1].strip() for ln in proc.stderr.splitlines() if "|" in ln]
+    return {name.split(".")[0] for name in lines}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["--cfg", "all"]])
+def test_config_only_commands_import_no_torch(args: list[str]) -> None:
+    # What makes these answer in well under a second: neither torch nor Lightning is loaded.
+    modules = imported_modules(args)
+    assert "hydra" in modules
+    assert not modules & {"torch", "lightning", "pytorch_lightning", "sklearn"}
+
+
+def test_cfg_job_shows_composed_config() -> None:
+    proc = run_script("train.py", ["--cfg", "job", "model=cnn", "trainer.max_epochs=3"])
+    assert proc.returncode == 0
+    assert "project.nets.CNN" in proc.stdout and "max_epochs: 3" in proc.stdout
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_unknown_group_option() -> None:
+    proc = run_script("train.py", ["model=nope"])
+    assert_one_line_error(proc, "model/nope", "cnn", "mlp")
+
+
+def test_misspelt_key() -> None:
+    proc = run_script("train.py", ["trainer.max_epoch=3"])
+    assert_one_line_error(proc, "trainer.max_epoch")
+
+
+def test_unwritable_data_dir(tmp_path, log_dir) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = run_script("train.py", [f"paths.data_dir={blocker}/data", f"paths.log_dir={log_dir}"])
+    assert_one_line_error(proc, "data_dir", str(blocker), "paths.data_dir=")
+
+
+def test_eval_without_ckpt_path() -> None:
+    assert_one_line_error(run_script("eval.py", []), "ckpt_path is required")
+
+
+def test_eval_missing_checkpoint(tmp_path) -> None:
+    proc = run_script("eval.py", [f"ckpt_path={tmp_path}/nope.ckpt"])
+    assert_one_line_error(proc, "does not exist")
+
+
+def test_eval_not_a_checkpoint(tmp_path) -> None:
+    fake = tmp_path / "fake.ckpt"
+    fake.write_text("hello")
+    assert_one_line_error(run_script("eval.py", [f"ckpt_path={fake}"]), "not a checkpoint")

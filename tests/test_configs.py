@@ -1,0 +1,92 @@
+"""Every option of every config group composes, and what it configures instantiates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from project.train import instantiate_all
+from tests.conftest import CONFIG_DIR
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def test_every_group_has_options() -> None:
+    for group in (
+        "data",
+        "model",
+        "trainer",
+        "callbacks",
+        "logger",
+        "paths",
+        "hydra",
+        "experiment",
+        "debug",
+        "model/optimizer",
+        "model/scheduler",
+    ):
+        assert options(group), f"config group {group} is empty"
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_data_options(compose_train, option: str) -> None:
+    dm = instantiate(compose_train([f"data={option}"]).data)
+    dm.prepare_data()
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape[0] == y.shape[0] > 0
+
+
+@pytest.mark.parametrize("option", options("model"))
+@pytest.mark.parametrize("optimizer", options("model/optimizer"))
+@pytest.mark.parametrize("scheduler", options("model/scheduler"))
+def test_model_options(compose_train, option: str, optimizer: str, scheduler: str) -> None:
+    cfg = compose_train(
+        [f"model={option}", f"model/optimizer={optimizer}", f"model/scheduler={scheduler}"]
+    )
+    model = instantiate(cfg.model)
+    logits = model(torch.rand(4, 64))
+    assert logits.shape == (4, cfg.model.num_classes)
+    assert model.configure_optimizers() is not None
+
+
+@pytest.mark.parametrize("option", options("trainer"))
+def test_trainer_options(compose_train, option: str) -> None:
+    cfg = compose_train([f"trainer={option}"])
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        pytest.skip("trainer=gpu needs a CUDA GPU; composes fine (checked above)")
+    trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False)
+    assert trainer.max_epochs == cfg.trainer.max_epochs
+
+
+@pytest.mark.parametrize("option", options("callbacks"))
+def test_callbacks_options(compose_train, option: str) -> None:
+    cfg = compose_train([f"callbacks={option}"])
+    callbacks = instantiate_all(cfg.callbacks)
+    assert len(callbacks) == len([c for c in (cfg.callbacks or {}).values() if c])
+
+
+@pytest.mark.parametrize("option", options("logger"))
+def test_logger_options(compose_train, option: str) -> None:
+    cfg = compose_train([f"logger={option}"])
+    loggers = instantiate_all(cfg.logger)
+    for lg in loggers:  # every logger writes into the run folder
+        assert Path(lg.save_dir) == Path(cfg.paths.output_dir)
+
+
+@pytest.mark.parametrize("option", options("experiment") + options("debug"))
+def test_experiment_and_debug_options(compose_train, option: str) -> None:
+    group = "experiment" if (CONFIG_DIR / "experiment" / f"{option}.yaml").exists() else "debug"
+    cfg = compose_train([f"{group}={option}"])
+    assert instantiate(cfg.model) is not None
+    instantiate(cfg.trainer, logger=False)
+
+
+def test_eval_config_composes(compose_train) -> None:
+    cfg = compose_train(["ckpt_path=/x.ckpt"], config_name="eval")
+    assert cfg.ckpt_path == "/x.ckpt" and cfg.logger == {}

@@ -1,0 +1,130 @@
+"""Training end to end: the default job, eval on its checkpoints, determinism, 2-process DDP."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from project.train import train
+from tests.conftest import read_scalars, run_script
+
+METRIC = re.compile(r"(test/acc|test/loss)=([0-9.]+)")
+
+
+def logged_metrics(stdout: str) -> dict[str, float]:
+    line = [ln for ln in stdout.splitlines() if "Metrics:" in ln][-1]
+    return {k: float(v) for k, v in METRIC.findall(line)}
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_fast_dev_run_per_model(compose_train, model: str) -> None:
+    cfg = compose_train([f"model={model}", "debug=fdr"])
+    metrics = train(cfg)
+    assert {"train/loss_step", "test/acc"} <= metrics.keys()
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict:
+    """The default job exactly as `make train` runs it, logs redirected to a temp folder."""
+    log_dir = tmp_path_factory.mktemp("logs")
+    proc = run_script(
+        "train.py", [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}"], RUN_ID="default"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"proc": proc, "run_dir": log_dir / "train" / "runs" / "default", "data_dir": data_dir}
+
+
+def test_default_job_reaches_95_percent(default_run: dict) -> None:
+    assert logged_metrics(default_run["proc"].stdout)["test/acc"] >= 0.95
+
+
+def test_default_job_writes_curves_to_tensorboard(default_run: dict) -> None:
+    scalars = read_scalars(default_run["run_dir"] / "tensorboard")
+    for tag in ("train/loss", "train/acc", "val/loss", "val/acc", "train/loss_step"):
+        assert len(scalars.get(tag, [])) >= 2, f"{tag} missing from TensorBoard: {sorted(scalars)}"
+    val_loss = [v for _, v in scalars["val/loss"]]
+    assert min(val_loss) < val_loss[0]  # a curve that actually goes down
+    assert [v for _, v in scalars["test/acc"]]
+
+
+def test_run_folder_layout(default_run: dict) -> None:
+    run_dir = default_run["run_dir"]
+    for name in (".hydra/config.yaml", "config_tree.log", "train.log", "checkpoints/last.ckpt"):
+        assert (run_dir / name).is_file(), name
+
+
+def test_checkpoints_load_with_weights_only(default_run: dict) -> None:
+    for ckpt in (default_run["run_dir"] / "checkpoints").glob("*.ckpt"):
+        loaded = torch.load(ckpt, map_location="cpu", weights_only=True)
+        assert loaded["hyper_parameters"]["net"]["_target_"] == "project.nets.MLP"
+
+
+def test_eval_reproduces_test_metrics(default_run: dict, tmp_path: Path) -> None:
+    run_dir = default_run["run_dir"]
+    trained = logged_metrics(default_run["proc"].stdout)  # tested on the best checkpoint
+    best = next(p for p in (run_dir / "checkpoints").glob("epoch_*.ckpt"))
+    proc = run_script(
+        "eval.py",
+        [
+            f"ckpt_path={best}",
+            f"paths.data_dir={default_run['data_dir']}",
+            f"paths.log_dir={tmp_path}",
+            "trainer.enable_progress_bar=false",
+        ],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert logged_metrics(proc.stdout) == pytest.approx(trained, abs=1e-4)
+
+
+def test_eval_on_last_ckpt_matches_train_tested_on_last(base_args, log_dir, data_dir) -> None:
+    args = [*base_args, "trainer.max_epochs=3", "test_ckpt=last"]
+    proc = run_script("train.py", args, RUN_ID="last")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = log_dir / "train" / "runs" / "last" / "checkpoints" / "last.ckpt"
+    evaluated = run_script(
+        "eval.py", [f"ckpt_path={last}", *base_args[:2], "trainer.enable_progress_bar=false"]
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert logged_metrics(evaluated.stdout) == pytest.approx(logged_metrics(proc.stdout), abs=1e-4)
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    return [v for _, v in read_scalars(run_dir / "tensorboard")["train/loss_step"]]
+
+
+def test_same_seed_same_losses(base_args, log_dir) -> None:
+    args = [*base_args, "trainer.max_epochs=2", "trainer.log_every_n_steps=1", "test=false"]
+    for run_id in ("a", "b"):
+        proc = run_script("train.py", args, RUN_ID=run_id)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (step_losses(log_dir / "train" / "runs" / r) for r in ("a", "b"))
+    assert len(a) >= 30 and a == b  # bitwise
+    other = run_script("train.py", [*args, "seed=1"], RUN_ID="c")
+    assert step_losses(log_dir / "train" / "runs" / "c") != a, other.stderr[-2000:]
+
+
+def test_runs_never_overwrite_each_other(base_args, log_dir) -> None:
+    for _ in range(2):
+        proc = run_script("train.py", [*base_args, "debug=fdr"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((log_dir / "debug" / "runs").iterdir())) == 2
+
+
+@pytest.mark.distributed
+def test_lightning_launcher_ddp_two_cpu_processes(base_args, log_dir) -> None:
+    """`python train.py trainer.accelerator=cpu trainer.devices=2`: DDP on gloo via Lightning's
+    own launcher, one run folder, every log line once."""
+    args = [*base_args, "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_epochs=2"]
+    proc = run_script("train.py", args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((log_dir / "train" / "runs").iterdir())
+    assert len(runs) == 1, runs
+    assert "Starting with 2 processes" in proc.stdout + proc.stderr
+    for needle in ("Metrics:", "Training", "Seed set to"):
+        assert (proc.stdout + proc.stderr).count(needle) == 1, needle
+    log_file = (runs[0] / "train.log").read_text()
+    assert log_file.count("Metrics:") == 1
+    assert sorted(p.name for p in runs[0].glob("*.log")) == ["config_tree.log", "train.log"]
