@@ -96,3 +96,53 @@ def compose_train(data_dir: Path, tmp_path: Path) -> Iterator:
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         yield _compose
     GlobalHydra.instance().clear()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def start(cmd: Sequence[str], **env: str) -> subprocess.Popen[str]:
+    """Start `cmd` from the repo root in its own process group (so a test can see strays)."""
+    return subprocess.Popen(
+        list(cmd), cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str]:
+    """Wait for `proc`; kill its whole group if it overruns. Returns (exit code, output)."""
+    import signal
+    import time
+
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s:\n{out[-3000:]}") from None
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(proc.pid), f"processes left behind by {proc.args}"
+    return proc.returncode, out
+
+
+def run_launch(script: str, args: Sequence[str], timeout: float = 180, **env: str) -> str:
+    """Run a launch script to success; returns its output."""
+    code, out = finish(start([str(ROOT / "launch" / script), *args], **env), timeout)
+    assert code == 0, out[-4000:]
+    return out

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from project import ddp
 from project.train import instantiate_all
 from tests.conftest import CONFIG_DIR
 
@@ -60,8 +61,18 @@ def test_trainer_options(compose_train, option: str) -> None:
     cfg = compose_train([f"trainer={option}"])
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         pytest.skip("trainer=gpu needs a CUDA GPU; composes fine (checked above)")
+    ddp.resolve_topology(cfg.trainer)  # devices/num_nodes "auto" -> numbers, as train.py does
     trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False)
     assert trainer.max_epochs == cfg.trainer.max_epochs
+
+
+@pytest.mark.parametrize("option", options("strategy"))
+def test_strategy_options(compose_train, option: str) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    cfg = compose_train([f"strategy={option}"])
+    ddp.check_hardware(cfg.strategy, cfg.trainer)
+    assert isinstance(ddp.build_strategy(cfg.strategy, ddp.Topology(2, 1, None)), DDPStrategy)
 
 
 @pytest.mark.parametrize("option", options("callbacks"))
@@ -84,6 +95,7 @@ def test_experiment_and_debug_options(compose_train, option: str) -> None:
     group = "experiment" if (CONFIG_DIR / "experiment" / f"{option}.yaml").exists() else "debug"
     cfg = compose_train([f"{group}={option}"])
     assert instantiate(cfg.model) is not None
+    ddp.resolve_topology(cfg.trainer)
     instantiate(cfg.trainer, logger=False)
 
 

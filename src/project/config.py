@@ -23,21 +23,26 @@ def run_id() -> str:
     """A name for this run, the same in every process of the run.
 
     Order: env RUN_ID (set it to resume a run, or to name one across nodes) -> the torchrun
-    job id (shared by all ranks and kept across `--max-restarts`) -> SLURM job id -> a fresh
-    timestamp with a random suffix (so two runs started in the same second never collide).
+    job id (shared by all ranks and kept across `--max-restarts`; agreed through torchrun's
+    store when it has none) -> SLURM job id -> a fresh timestamp with a random suffix (so two
+    runs started in the same second never collide).
     """
     global _run_id
     if _run_id is None:
-        elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        slurm = os.environ.get("SLURM_JOB_ID")
+        fresh = time.strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(2)
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID")
         if os.environ.get("RUN_ID"):
             _run_id = os.environ["RUN_ID"]
-        elif elastic not in ("", "none"):
+        elif elastic not in (None, "", "none"):
             _run_id = f"torchrun-{elastic}"
-        elif slurm:
-            _run_id = f"slurm-{slurm}"
+        elif elastic is not None:  # torchrun without a job id: the ranks agree on one
+            from project.ddp import shared_run_id
+
+            _run_id = shared_run_id(fresh)
+        elif os.environ.get("SLURM_JOB_ID"):
+            _run_id = f"slurm-{os.environ['SLURM_JOB_ID']}"
         else:
-            _run_id = time.strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(2)
+            _run_id = fresh
     return _run_id
 
 

@@ -56,8 +56,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     data_kwargs = {k: saved[k] for k in ("seed", "val_fraction", "test_fraction") if k in saved}
     datamodule: DigitsDataModule = instantiate(cfg.data, **data_kwargs)
 
+    from project import ddp
+
+    topology = ddp.resolve_topology(cfg.trainer)
     loggers = instantiate_all(cfg.get("logger"))
-    trainer = instantiate(cfg.trainer, logger=loggers or False)
+    trainer = instantiate(
+        cfg.trainer, strategy=ddp.build_strategy(None, topology), logger=loggers or False
+    )
     log.info(f"Testing {ckpt_path}")
     trainer.test(model, datamodule=datamodule)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -7,6 +7,7 @@ under a second.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,13 @@ from project.console import (
     report_user_errors,
     run_cli,
 )
+from project.errors import UserError
 
 log = logging.getLogger("project.train")
 
-TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "paths", "extras")
+METRICS_FILE = "metrics.json"  # final metrics, written by global rank 0
+
+TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "strategy", "paths")
 
 
 def instantiate_all(group: DictConfig | None) -> list[Any]:
@@ -36,14 +40,39 @@ def instantiate_all(group: DictConfig | None) -> list[Any]:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test; returns the metrics Lightning collected (floats)."""
-    import lightning.pytorch as pl
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from project import ddp
+
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
+    if hydra_cfg.mode == RunMode.MULTIRUN and topology.world_size > 1:
+        if topology.launcher is not None or topology.num_nodes > 1:
+            raise UserError(
+                "a multirun (-m) with several processes starts one torchrun job per sweep job "
+                "itself: run it with plain python, single node"
+            )
+        ddp.relaunch_with_torchrun(
+            "project.train", list(hydra_cfg.overrides.task), str(output_dir), topology.devices
+        )
+        return read_metrics(output_dir)
+
+    import lightning.pytorch as pl
     from hydra.utils import instantiate
 
     quiet_lightning()
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    threads = ddp.configure_threads(topology)
+    ddp.check_hardware(cfg.get("strategy"), cfg.trainer)
+    strategy = ddp.build_strategy(cfg.get("strategy"), topology)
     if is_rank_zero():
         print_config_tree(cfg, TREE_ORDER, save_to=output_dir / "config_tree.log")
+        log.info(
+            f"{topology.devices} process(es) per node x {topology.num_nodes} node(s), "
+            f"launcher: {topology.launcher.name if topology.launcher else 'none'}, "
+            f"{threads} thread(s) per process"
+        )
 
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = instantiate(cfg.data)
@@ -52,7 +81,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_all(cfg.get("callbacks"))
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False
+    )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))
 
@@ -66,10 +97,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
         log.info(f"Testing {ckpt or 'the current weights'}")
         trainer.test(model, datamodule=datamodule, ckpt_path=ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-    if is_rank_zero():
+    if trainer.is_global_zero:
+        (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
         log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
         log.info(f"Run folder: {output_dir}")
     return metrics
+
+
+def read_metrics(run_dir: Path) -> dict[str, float]:
+    """The final metrics a finished run wrote (for sweeps that ran the job in a subprocess)."""
+    return json.loads((run_dir / METRICS_FILE).read_text())
 
 
 def test_checkpoint(trainer: Any, which: str | None) -> str | None:
@@ -81,8 +118,6 @@ def test_checkpoint(trainer: Any, which: str | None) -> str | None:
         return ckpt_cb.best_model_path or None
     if which == "last":
         return ckpt_cb.last_model_path or None
-    from project.errors import UserError
-
     raise UserError(f"test_ckpt={which!r} is not one of best, last, current")
 
 

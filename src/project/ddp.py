@@ -1,0 +1,228 @@
+"""Everything distributed, in one place: who launched us, how many processes, which strategy.
+
+- `detect_launcher` reads the environment torchrun (also inside Kubernetes pods) or SLURM made.
+- `resolve_topology` makes `trainer.devices` / `trainer.num_nodes` follow that environment, and
+  stops every rank at start-up when an explicit value contradicts it (never N silent copies).
+- `build_strategy` gives a single-process run no DDP wrapper at all, and a multi-process run
+  the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
+- `shared_run_id` lets all ranks of one torchrun job (and its restarts) agree on one run folder.
+- `relaunch_with_torchrun` runs one multi-device Hydra sweep job as its own torchrun job.
+
+Module-level imports stay light: this runs before Hydra has finished composing the config.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from project.errors import UserError
+
+log = logging.getLogger("project.ddp")
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """The processes an external launcher started: `devices` per node on `num_nodes` nodes."""
+
+    name: str  # "torchrun" | "slurm"
+    devices: int
+    num_nodes: int
+    flags: tuple[str, str]  # its options for processes per node and nodes (for error messages)
+
+
+def detect_launcher(env: Mapping[str, str] = os.environ) -> Launcher | None:
+    """torchrun (TORCHELASTIC_RUN_ID, as Lightning detects it) or `srun` one task per device.
+
+    Kubernetes PyTorchJobs run torchrun in each pod (launch/k8s), so they are torchrun here.
+    """
+    if "TORCHELASTIC_RUN_ID" in env:
+        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+        return Launcher("torchrun", local, max(1, world // local), ("--nproc-per-node", "--nnodes"))
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        nodes = int(env.get("SLURM_NNODES", 1))
+        return Launcher(
+            "slurm", int(env["SLURM_NTASKS"]) // nodes, nodes, ("--ntasks-per-node", "--nodes")
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Topology:
+    devices: int
+    num_nodes: int
+    launcher: Launcher | None
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+def _explicit_int(value: Any, key: str) -> int | None:
+    """None for "auto"/null, else a positive int (or -1: all GPUs, Lightning's meaning)."""
+    if value in (None, "auto"):
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={value!r} must be a number of processes or auto") from None
+    if number < 1 and not (key == "trainer.devices" and number == -1):
+        raise UserError(f"{key}={value!r} must be >= 1 (or auto)")
+    return number
+
+
+def resolve_topology(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> Topology:
+    """Fill `devices`/`num_nodes` ("auto") from the launcher, or check explicit values against it.
+
+    Without an external launcher "auto" means 1; `devices > 1` then makes Lightning start the
+    processes itself.
+    """
+    launcher = detect_launcher(env)
+    devices = _explicit_int(trainer_cfg.get("devices", "auto"), "trainer.devices")
+    num_nodes = _explicit_int(trainer_cfg.get("num_nodes", "auto"), "trainer.num_nodes")
+    if launcher is not None:
+        for key, asked, got, what, flag in (
+            ("trainer.devices", devices, launcher.devices, "processes per node", launcher.flags[0]),
+            ("trainer.num_nodes", num_nodes, launcher.num_nodes, "node(s)", launcher.flags[1]),
+        ):
+            if asked is not None and asked != got:
+                raise UserError(
+                    f"{key}={asked} but {launcher.name} started {got} {what}: drop the {key} "
+                    f"override (it follows the launcher) or start {launcher.name} with "
+                    f"{flag}={asked}"
+                )
+        devices, num_nodes = launcher.devices, launcher.num_nodes
+    topology = Topology(devices or 1, num_nodes or 1, launcher)
+    with open_dict(trainer_cfg):
+        trainer_cfg.devices, trainer_cfg.num_nodes = topology.devices, topology.num_nodes
+    return topology
+
+
+def configure_threads(topology: Topology, env: MutableMapping[str, str] = os.environ) -> int:
+    """Give each rank cpus/processes-per-node threads unless OMP_NUM_THREADS is set.
+
+    torchrun sets OMP_NUM_THREADS=1 only with several processes per node; oversubscribed
+    threads made 2-process DDP 4x slower here and changed losses at 1e-7.
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, topology.devices)))
+    threads = int(env["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _on_gpu(accelerator: str) -> bool:
+    import torch
+
+    if accelerator in ("gpu", "cuda"):
+        return True
+    return accelerator == "auto" and torch.cuda.is_available()
+
+
+def _ddp_option_names() -> set[str]:
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = set(inspect.signature(DDPStrategy.__init__).parameters)
+    names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    return names - {"self", "kwargs", "module", "process_group", "device_ids", "output_device"}
+
+
+def check_hardware(strategy_cfg: DictConfig | None, trainer_cfg: DictConfig) -> None:
+    """Reject options that cannot work on this hardware now, not deep inside `fit`."""
+    import torch.distributed as dist
+
+    gpu = _on_gpu(str(trainer_cfg.get("accelerator", "auto")))
+    if trainer_cfg.get("sync_batchnorm") and not gpu:
+        raise UserError(
+            "trainer.sync_batchnorm=true needs CUDA GPUs (SyncBatchNorm only runs on GPU "
+            "modules): drop it on CPU"
+        )
+    if not strategy_cfg:
+        return
+    unknown = set(strategy_cfg) - _ddp_option_names() - {"_target_"}
+    if unknown:
+        raise UserError(
+            f"strategy.{sorted(unknown)[0]} is not a DDPStrategy/DistributedDataParallel "
+            "option: check the spelling in configs/strategy/"
+        )
+    backend = strategy_cfg.get("process_group_backend")
+    if backend == "nccl" and not (gpu and dist.is_nccl_available()):
+        raise UserError(
+            "strategy.process_group_backend=nccl needs CUDA GPUs and a torch build with NCCL: "
+            "use gloo on CPU (or leave it null to pick automatically)"
+        )
+
+
+def build_strategy(strategy_cfg: DictConfig | None, topology: Topology) -> Any:
+    """ "auto" (no DDP wrapper) for one process in total, else the configured DDPStrategy."""
+    if topology.world_size == 1 or not strategy_cfg:
+        return "auto"
+    from hydra.utils import instantiate
+
+    return instantiate(strategy_cfg)
+
+
+def shared_run_id(fresh_id: str, env: Mapping[str, str] = os.environ) -> str:
+    """The run id all ranks of this torchrun job agree on, via the torchrun agent's store.
+
+    torchrun gives no usable job id with static rendezvous or a default --rdzv-id ("none"),
+    and ranks start in different seconds, so timestamps would split the run folder. The
+    first rank to ask stores its id; everyone (restarted workers too) reads that one.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return f"torchrun-{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    return store.compare_set("project/run_id", "", fresh_id).decode()
+
+
+def relaunch_with_torchrun(
+    module: str, overrides: Sequence[str], output_dir: str, nproc: int
+) -> None:
+    """Run this sweep job as `torchrun --standalone -m <module>` writing into `output_dir`.
+
+    Lightning's own launcher re-runs `sys.argv`, which in a Hydra multirun repeats the whole
+    sweep in every child (Lightning #11300, #15737). A torchrun job per sweep job keeps one
+    correct DDP run per job directory, and waits for it so no process outlives the sweep.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", module, *overrides,
+        f"hydra.run.dir={output_dir}",
+        "hydra.output_subdir=null",  # the sweep job already saved its config there
+    ]  # fmt: skip
+    log.info("Sweep job with %d processes: %s", nproc, " ".join(cmd))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        code = proc.wait()
+    except BaseException:
+        # Ctrl-C / SIGTERM of the sweep: stop the whole torchrun job, workers included.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if code != 0:
+        raise RuntimeError(f"sweep job in {output_dir} failed (torchrun exit code {code})")

@@ -1,0 +1,244 @@
+"""Real distributed runs through the launch scripts: torchrun, two "nodes", network namespaces,
+mismatches, multirun. CPU, gloo, one thread per rank."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, finish, free_port, read_scalars, run_launch, start
+
+pytestmark = pytest.mark.distributed
+
+SHORT = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "test=false"]
+
+
+def runs(log_dir: Path) -> list[Path]:
+    return sorted((log_dir / "train" / "runs").iterdir())
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [v for _, v in read_scalars(run_dir / "tensorboard")["train/loss_step"]]
+
+
+def world_size_reported(out: str) -> int:
+    line = next(ln for ln in out.splitlines() if "All distributed processes registered" in ln)
+    return int(line.split("Starting with")[1].split()[0])
+
+
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory, data_dir) -> dict:
+    """torchrun --standalone with 2 processes and the default DDP options, run twice."""
+    log_dir = tmp_path_factory.mktemp("logs")
+    args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *SHORT,
+            "trainer.enable_progress_bar=false", "callbacks.progress_bar=null"]  # fmt: skip
+    outs = [run_launch("single_node.sh", args, NPROC_PER_NODE="2") for _ in range(2)]
+    return {"outs": outs, "runs": runs(log_dir), "args": args[:1] + args[2:]}
+
+
+def test_torchrun_standalone_two_processes(plain_ddp) -> None:
+    assert len(plain_ddp["runs"]) == 2  # two runs, one folder each
+    for out in plain_ddp["outs"]:
+        assert world_size_reported(out) == 2
+        assert "launcher: torchrun" in out
+        assert out.count("Metrics:") == 1  # rank 0 only
+    run = plain_ddp["runs"][0]
+    assert run.name.startswith("torchrun-")  # named by torchrun's job id
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "config_tree.log").is_file()
+    assert sorted(p.name for p in run.glob("*.log")) == ["config_tree.log", "train.log"]
+
+
+def test_torchrun_losses_identical_on_rerun(plain_ddp) -> None:
+    first, second = (losses(r) for r in plain_ddp["runs"])
+    assert len(first) >= 20 and first == second
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["strategy=ddp_static"],  # static_graph + gradient_as_bucket_view
+        ["strategy.gradient_as_bucket_view=true"],
+        ["strategy=ddp_unused"],
+        ["strategy.bucket_cap_mb=1"],
+    ],
+)
+def test_ddp_presets_match_plain_ddp(plain_ddp, tmp_path, options) -> None:
+    out = run_launch(
+        "single_node.sh", [*plain_ddp["args"], f"paths.log_dir={tmp_path}", *options],
+        NPROC_PER_NODE="2",
+    )  # fmt: skip
+    assert world_size_reported(out) == 2
+    assert losses(runs(tmp_path)[0]) == losses(plain_ddp["runs"][0])  # bitwise
+
+
+def two_nodes(env0: dict, env1: dict, args: list[str], wrap0=(), wrap1=()) -> tuple[str, str]:
+    """Start node 0 and node 1 (launch/multinode.sh, 1 process each); both must succeed."""
+    script = str(ROOT / "launch" / "multinode.sh")
+    common = {"NNODES": "2", "NPROC_PER_NODE": "1"}
+    procs = [start([*wrap, script, *args], **common, **env)
+             for wrap, env in ((wrap0, env0), (wrap1, env1))]  # fmt: skip
+    results = [finish(p, timeout=180) for p in procs]
+    for code, out in results:
+        assert code == 0, out[-4000:]
+    return results[0][1], results[1][1]
+
+
+def test_two_nodes_static_rendezvous(base_args, log_dir) -> None:
+    port = str(free_port())
+    out0, out1 = two_nodes(
+        {"NODE_RANK": "0", "MASTER_PORT": port}, {"NODE_RANK": "1", "MASTER_PORT": port},
+        [*base_args, *SHORT],
+    )  # fmt: skip
+    assert world_size_reported(out0 + out1) == 2
+    assert "1 process(es) per node x 2 node(s), launcher: torchrun" in out0 + out1
+    assert len(runs(log_dir)) == 1  # both nodes agreed on one run folder
+
+
+def test_two_nodes_c10d_rendezvous(base_args, log_dir) -> None:
+    env = {"RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "c10d-test"}
+    out0, out1 = two_nodes(env, env, [*base_args, *SHORT])
+    assert world_size_reported(out0 + out1) == 2
+    assert [r.name for r in runs(log_dir)] == ["torchrun-c10d-test"]
+
+
+@pytest.fixture
+def netns_pair():
+    """Two network namespaces joined by a veth pair: two hosts with a real interface between."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (`ip`) to create network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    ns, dev = (f"pj{tag}a", f"pj{tag}b"), (f"vj{tag}a", f"vj{tag}b")
+    addrs = ("198.18.0.1", "198.18.0.2")  # benchmark-test range: never a real host
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        ip("netns", "add", ns[0])
+        ip("netns", "add", ns[1])
+        ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in range(2):
+            ip("link", "set", dev[i], "netns", ns[i])
+            ip("-n", ns[i], "addr", "add", f"{addrs[i]}/24", "dev", dev[i])
+            ip("-n", ns[i], "link", "set", dev[i], "up")
+            ip("-n", ns[i], "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for name in ns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {err.stderr.decode().strip()}")
+    yield ns, dev, addrs
+    for name in ns:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_hosts_in_network_namespaces(netns_pair, base_args, log_dir) -> None:
+    ns, dev, addrs = netns_pair
+    common = {"MASTER_ADDR": addrs[0], "MASTER_PORT": "29555"}
+    out0, out1 = two_nodes(
+        {"NODE_RANK": "0", "GLOO_SOCKET_IFNAME": dev[0], **common},
+        {"NODE_RANK": "1", "GLOO_SOCKET_IFNAME": dev[1], **common},
+        [*base_args, *SHORT],
+        wrap0=("ip", "netns", "exec", ns[0]),
+        wrap1=("ip", "netns", "exec", ns[1]),
+    )
+    assert f"# GLOO_SOCKET_IFNAME={dev[0]}" in out0  # the script shows the interface it passes on
+    assert world_size_reported(out0 + out1) == 2
+    assert len(runs(log_dir)) == 1
+
+
+def test_torchrun_no_python_multinode_script(base_args, log_dir) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--no-python", str(ROOT / "launch" / "multinode.sh"), *base_args, *SHORT]  # fmt: skip
+    code, out = finish(start(cmd))
+    assert code == 0, out[-4000:]
+    assert world_size_reported(out) == 2 and len(runs(log_dir)) == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.devices=1", "error: trainer.devices=1 but torchrun started 2 processes per node"),
+        ("trainer.num_nodes=2", "error: trainer.num_nodes=2 but torchrun started 1 node(s)"),
+    ],
+)
+def test_topology_mismatch_stops_every_rank(base_args, override: str, message: str) -> None:
+    import time
+
+    began = time.monotonic()
+    proc = start([str(ROOT / "launch" / "single_node.sh"), *base_args, override],
+                 NPROC_PER_NODE="2")  # fmt: skip
+    code, out = finish(proc, timeout=60)  # also asserts no process is left behind
+    assert code != 0
+    assert out.count(message) == 2, out[-3000:]  # every rank says it
+    assert time.monotonic() - began < 30
+
+
+def test_multirun_two_jobs_two_devices(base_args, log_dir) -> None:
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "model=mlp,cnn",
+           "trainer.accelerator=cpu", "trainer.devices=2", *base_args, *SHORT]  # fmt: skip
+    code, out = finish(start(cmd), timeout=240)  # also asserts no stray processes
+    assert code == 0, out[-4000:]
+    sweeps = list((log_dir / "train" / "multiruns").iterdir())
+    assert len(sweeps) == 1
+    jobs = sorted(p.name for p in sweeps[0].iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    assert out.count("Starting with 2 processes") == 2
+    for job in jobs:
+        assert (sweeps[0] / job / "metrics.json").is_file()
+    assert not (log_dir / "train" / "runs").exists()  # no job escaped into a run folder
+
+
+def test_scripts_parse_and_pass_shellcheck() -> None:
+    scripts = [
+        *(ROOT / "launch").glob("*.sh"),
+        ROOT / "launch" / "slurm.sbatch",
+        ROOT / ".ci" / "run",
+    ]
+    for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (apt-get install shellcheck); bash -n passed")
+    proc = subprocess.run(["shellcheck", "-x", *map(str, scripts)], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+
+
+def dry_run(script: str, *args: str, **env: str) -> str:
+    code, out = finish(start([str(ROOT / "launch" / script), *args], DRY_RUN="1", **env), 30)
+    assert code == 0, out
+    return out
+
+
+def test_printed_torchrun_commands() -> None:
+    py = os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    out = dry_run("single_node.sh", "model=cnn", NPROC_PER_NODE="4", PYTHON=py)
+    assert out.strip() == (
+        f"+ {py} -m torch.distributed.run --standalone --nproc-per-node=4 --max-restarts=0 "
+        "-m project.train model=cnn"
+    )
+    out = dry_run("multinode.sh", "x=1", NNODES="2", NPROC_PER_NODE="8", NODE_RANK="1",
+                  MASTER_ADDR="10.0.0.1", MASTER_PORT="1234", MAX_RESTARTS="3",
+                  NCCL_SOCKET_IFNAME="ib0", PYTHON=py)  # fmt: skip
+    assert "# NCCL_SOCKET_IFNAME=ib0" in out
+    assert out.splitlines()[-1] == (
+        f"+ {py} -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --max-restarts=3 "
+        "--node-rank=1 --master-addr=10.0.0.1 --master-port=1234 -m project.train x=1"
+    )
+    out = dry_run("multinode.sh", NNODES="1:4", NPROC_PER_NODE="2", RDZV_ENDPOINT="h:29400",
+                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", TRAINER="raw", PYTHON=py)  # fmt: skip
+    assert out.splitlines()[-1] == (
+        f"+ {py} -m torch.distributed.run --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
+        "--rdzv-backend=c10d --rdzv-endpoint=h:29400 --rdzv-id=job7 --local-addr=10.0.0.5 "
+        "-m project.raw_train"
+    )
+
+
+def test_unknown_trainer_switch() -> None:
+    code, out = finish(start([str(ROOT / "launch" / "single_node.sh")], TRAINER="jax"), 30)
+    assert code == 2 and "error: TRAINER=jax is not one of: lightning, raw" in out
