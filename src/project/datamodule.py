@@ -6,26 +6,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from project.digits import DigitsDataset, materialise, split_indices
-from project.errors import UserError
-
-
-def check_writable(data_dir: Path) -> None:
-    """Fail with a one-line fix when `data_dir` cannot be created or written."""
-    existing = data_dir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise UserError(
-            f"data_dir {data_dir} cannot be written ({existing} is not a writable directory); "
-            "point it elsewhere with paths.data_dir=/some/writable/dir"
-        )
+from project.digits import DigitsDataset, check_writable, materialise, split_indices
 
 
 class DigitsDataModule(pl.LightningDataModule):

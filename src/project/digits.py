@@ -14,8 +14,23 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from project.errors import UserError
+
 FEATURES_FILE = "digits_x.npy"
 TARGETS_FILE = "digits_y.npy"
+
+
+def check_writable(data_dir: str | Path) -> None:
+    """Fail with a one-line fix when `data_dir` cannot be created or written."""
+    data_dir = Path(data_dir)
+    existing = data_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UserError(
+            f"data_dir {data_dir} cannot be written ({existing} is not a writable directory); "
+            "point it elsewhere with paths.data_dir=/some/writable/dir"
+        )
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:

@@ -81,6 +81,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_all(cfg.get("callbacks"))
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
+    if cfg.get("step_stats"):
+        from project.callbacks import StepStatsCallback
+
+        callbacks.append(StepStatsCallback(str(output_dir)))
     trainer: pl.Trainer = instantiate(
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False
     )
