@@ -27,9 +27,11 @@ def child_env(**extra: str) -> dict[str, str]:
 def run_script(
     script: str, args: Sequence[str], timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python <script> args...` from the repo root; returns the completed process."""
+    """Run `python <script> args...` (or `python -m module` for script="-m module") from the
+    repo root; returns the completed process."""
+    target = script.split() if script.startswith("-m ") else [str(ROOT / script)]
     return subprocess.run(
-        [sys.executable, str(ROOT / script), *args],
+        [sys.executable, *target, *args],
         cwd=ROOT,
         env=child_env(**env),
         capture_output=True,

@@ -46,8 +46,9 @@ CONSUMED = {
     "trainer.log_every_n_steps", "trainer.deterministic", "trainer.benchmark",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches",
     "trainer.num_sanity_val_steps", "trainer.fast_dev_run",
-    "callbacks.model_checkpoint.dirpath", "callbacks.model_checkpoint.monitor",
-    "callbacks.model_checkpoint.mode", "callbacks.model_checkpoint.save_last",
+    "callbacks.model_checkpoint", "callbacks.model_checkpoint.dirpath",
+    "callbacks.model_checkpoint.monitor", "callbacks.model_checkpoint.mode",
+    "callbacks.model_checkpoint.save_last",
     "callbacks.early_stopping.*", "callbacks.coordinated_stop.*",
 }  # fmt: skip
 # Keys that change what is shown or named, not what is trained.
@@ -72,7 +73,8 @@ def classify(key: str) -> str | None:
         ("presentation", PRESENTATION),
         ("refused", REFUSED),
     ):
-        if key in keys or any(k.endswith(".*") and key.startswith(k[:-1]) for k in keys):
+        subtrees = [k[:-2] for k in keys if k.endswith(".*")]
+        if key in keys or any(key == t or key.startswith(t + ".") for t in subtrees):
             return kind
     return None
 
@@ -221,7 +223,8 @@ class RawTrainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "16-mixed" else None
 
-        self.stop = StopSignal(cfg.callbacks.get("coordinated_stop", {}).get("every_n_steps", 10))
+        stop_cfg = cfg.callbacks.get("coordinated_stop") or {}
+        self.stop = StopSignal(stop_cfg.get("every_n_steps", 10))
         self.stats = StepStats() if cfg.get("step_stats") else None
         self.writer = None
         if self.is_zero and cfg.get("logger"):

@@ -1,0 +1,205 @@
+"""Run the Lightning and the raw trainer on the same config and show them side by side.
+
+    python -m project.compare [--repeats 5] [--warmup 20] [hydra overrides...]
+    python -m project.compare trainer.devices=2 experiment=bench   # each as 2-process torchrun
+    python -m project.compare --from-runs LIGHTNING_RUN_DIR RAW_RUN_DIR  # e.g. multi-node runs
+                                     # made by launch/multinode.sh with step_stats=true
+
+Repetitions are interleaved (L, raw, raw, L, ...) so that a slow phase of the machine hits
+both. Writes compare.md and compare.json into logs/compare/runs/<run id>/, with each
+trainer's runs below it: `tensorboard --logdir <that folder>` shows both trainers' curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from project.config import CONFIG_DIR, register_resolvers, run_id
+from project.console import fail
+from project.step_stats import STATS_FILE
+
+TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
+
+
+def compose(overrides: list[str]) -> Any:
+    """The training config these overrides give (validates them before anything runs)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_resolvers()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides, return_hydra_config=True)
+
+
+def command(module: str, nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
+    args = [*overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
+    if nproc == 1:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", module, *args]  # fmt: skip
+
+
+def run_once(module: str, nproc: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """Run one trainer to the end; returns its stats, metrics and launch/wall times."""
+    launched = time.time()
+    proc = subprocess.run(
+        command(module, nproc, overrides, run_dir), capture_output=True, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )  # fmt: skip
+    wall = time.time() - launched
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"{module} failed (exit {proc.returncode}) in {run_dir}:\n{tail}")
+    result = read_run(run_dir)
+    result.update(wall_s=wall, launch_to_first_step_s=result["stats"]["first_step_unix"] - launched)
+    return result
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    stats_file = run_dir / STATS_FILE
+    if not stats_file.is_file():
+        fail(f"{stats_file} is missing: run the trainer with step_stats=true")
+    metrics_file = run_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    return {"stats": json.loads(stats_file.read_text()), "metrics": metrics, "dir": str(run_dir)}
+
+
+def steady_step_s(stats: dict[str, Any], warmup: int) -> float:
+    """Median time between consecutive step starts after `warmup` steps (epoch boundaries,
+    with validation in them, are a few outliers the median ignores)."""
+    starts = stats["step_starts_s"][warmup:]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    if not gaps:
+        fail(f"only {len(stats['step_starts_s'])} steps ran: need more than --warmup={warmup}")
+    return statistics.median(gaps)
+
+
+def summarise(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+    """The figures of the table, as JSON-ready numbers."""
+    reference = results["raw"][0]["stats"]["losses"]
+    diffs = [
+        max((abs(a - b) for a, b in zip(r["stats"]["losses"], reference, strict=True)), default=0.0)
+        for r in results["lightning"] + results["raw"]
+        if len(r["stats"]["losses"]) == len(reference)
+    ]
+    lengths_match = len(diffs) == len(results["lightning"]) + len(results["raw"])
+    summary: dict[str, Any] = {
+        "steps": len(reference),
+        "repeats": len(results["raw"]),
+        "max_abs_loss_diff": max(diffs) if lengths_match else None,
+        "losses_bitwise_equal": lengths_match and max(diffs) == 0.0,
+    }
+    for name, runs in results.items():
+        launched = [r["launch_to_first_step_s"] for r in runs if "launch_to_first_step_s" in r]
+        walls = [r["wall_s"] for r in runs if "wall_s" in r]
+        steps = [steady_step_s(r["stats"], warmup) for r in runs]
+        summary[name] = {
+            "steady_step_ms_median": 1000 * statistics.median(steps),
+            "steady_step_ms_each": [round(1000 * s, 4) for s in steps],
+            "launch_to_first_step_s_median": statistics.median(launched) if launched else None,
+            "wall_s_median": statistics.median(walls) if walls else None,
+            "peak_rss_mib_max": max(r["stats"]["peak_rss_mib"] for r in runs),
+            "peak_gpu_mib_max": runs[0]["stats"]["peak_gpu_mib"],
+            "metrics": runs[0]["metrics"],
+            "runs": [r["dir"] for r in runs],
+        }
+    lightning, raw = summary["lightning"], summary["raw"]
+    summary["lightning_over_raw_step_time"] = (
+        lightning["steady_step_ms_median"] / raw["steady_step_ms_median"]
+    )
+    summary["lightning_minus_raw_step_us"] = 1000 * (
+        lightning["steady_step_ms_median"] - raw["steady_step_ms_median"]
+    )
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The side-by-side Markdown table."""
+    L, R = summary["lightning"], summary["raw"]
+
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    diff = summary["max_abs_loss_diff"]
+    verdict = (
+        "bitwise equal" if summary["losses_bitwise_equal"]
+        else "step counts differ" if diff is None
+        else f"max |diff| {diff:.3g}"
+    )  # fmt: skip
+    rows = [
+        ("per-step losses", verdict, f"{summary['steps']} steps x {summary['repeats']} repeats"),
+        ("steady step time (ms, median)", num(L["steady_step_ms_median"], ".3f"),
+         num(R["steady_step_ms_median"], ".3f")),
+        ("launch to first step (s)", num(L["launch_to_first_step_s_median"], ".2f"),
+         num(R["launch_to_first_step_s_median"], ".2f")),
+        ("total wall time (s)", num(L["wall_s_median"], ".2f"), num(R["wall_s_median"], ".2f")),
+        ("peak RSS, rank 0 (MiB)", num(L["peak_rss_mib_max"], ".0f"),
+         num(R["peak_rss_mib_max"], ".0f")),
+        ("peak GPU memory (MiB)", num(L["peak_gpu_mib_max"], ".0f"),
+         num(R["peak_gpu_mib_max"], ".0f")),
+    ]  # fmt: skip
+    for key in sorted(set(L["metrics"]) & set(R["metrics"])):
+        if key.startswith(("val/", "test/")):
+            rows.append((key, f"{L['metrics'][key]:.4f}", f"{R['metrics'][key]:.4f}"))
+    lines = ["| | Lightning | raw DDP |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines.append(
+        f"\nLightning / raw steady step time: **{summary['lightning_over_raw_step_time']:.3f}x** "
+        f"({summary['lightning_minus_raw_step_us']:+.0f} us per step)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each trainer (default 5)")
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of step times")
+    parser.add_argument("--from-runs", nargs=2, metavar=("LIGHTNING_RUN", "RAW_RUN"),
+                        help="compare two finished runs instead of starting new ones")  # fmt: skip
+    args, overrides = parser.parse_known_args(argv)
+    if args.from_runs:
+        results = {"lightning": [read_run(Path(args.from_runs[0]))],
+                   "raw": [read_run(Path(args.from_runs[1]))]}  # fmt: skip
+        out_dir = Path(args.from_runs[0]).parent
+    else:
+        try:
+            cfg = compose(overrides)
+        except Exception as err:  # config errors (unknown option, misspelt key): one line
+            fail(str(err))
+        devices = cfg.trainer.devices
+        nproc = 1 if devices in ("auto", None) else int(devices)
+        if cfg.trainer.num_nodes not in ("auto", None, 1):
+            fail(
+                "compare runs on one node; for several, run both trainers with "
+                "launch/multinode.sh and step_stats=true, then use --from-runs"
+            )
+        out_dir = Path(cfg.paths.log_dir) / "compare" / "runs" / run_id()
+        results = {"lightning": [], "raw": []}
+        for rep in range(args.repeats):
+            order = ("lightning", "raw") if rep % 2 == 0 else ("raw", "lightning")
+            for name in order:
+                run_dir = out_dir / name / f"r{rep}"
+                print(f"[{rep + 1}/{args.repeats}] {name}: {run_dir}", flush=True)
+                results[name].append(run_once(TRAINERS[name], nproc, overrides, run_dir))
+    summary = summarise(results, args.warmup)
+    summary["overrides"] = overrides
+    text = table(summary)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.md").write_text(text + "\n")
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
+    print(text)
+    print(f"\nWritten: {out_dir / 'compare.md'}, {out_dir / 'compare.json'}")
+    print(f"Curves of both: tensorboard --logdir {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
