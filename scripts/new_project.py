@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Stamp out a renamed copy of this template (standard library only).
+
+    python scripts/new_project.py ../my-net --package mynet --name my-net \\
+        --author "Ada Lovelace" --email ada@example.com --description "Digits, but bigger"
+    python scripts/new_project.py . --in-place --package mynet   # a "use this template" clone
+
+Copies the git-tracked files (never .venv, logs, data caches), renames src/project to
+src/<package>, and rewrites `project` only where it names the package: imports, dotted paths
+(Hydra `_target_`, `-m project.train`, logger names), `src/project` paths, the pyproject
+name/scripts/tool settings, and the launch recipes' job names. The word in prose and keys that
+merely share it (the `[project]` table of pyproject.toml) stay. Afterwards it checks that no
+`project` import is left (exit 1 if one is) and lists the remaining plain-text mentions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import keyword
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+OLD = "project"
+# Files that belong to the template only: the generator, its tests, the copier front-end.
+TEMPLATE_ONLY = {
+    "scripts/new_project.py",
+    "tests/test_new_project.py",
+    "copier.yml",
+    ".copier-answers.yml.jinja",
+}
+# Copied but never rewritten: copier's record of the template it came from.
+VERBATIM = {".copier-answers.yml"}
+# Import names of the dependencies: a package named like one would shadow it.
+TAKEN = {
+    "torch", "lightning", "pytorch_lightning", "hydra", "omegaconf", "torchmetrics", "rich",
+    "tensorboard", "sklearn", "numpy", "pytest", "ruff", "copier", "tests", "src",
+}  # fmt: skip
+
+IMPORT = re.compile(rf"^\s*(from|import)\s+{OLD}\b", re.M)
+DOTTED_USE = re.compile(rf"(_target_:\s*|-m\s+|[\"']){OLD}\.[A-Za-z_]")
+
+
+class Refused(Exception):
+    """Bad input: nothing was written."""
+
+
+def validate_package(package: str) -> None:
+    if not re.fullmatch(r"[a-z_][a-z0-9_]*", package):
+        raise Refused(
+            f"--package {package!r} is not a valid package name: use lowercase letters, "
+            "digits and underscores, not starting with a digit (e.g. my_net)"
+        )
+    if keyword.iskeyword(package) or package in sys.stdlib_module_names or package in TAKEN:
+        raise Refused(
+            f"--package {package!r} is a Python keyword, a standard-library module or a "
+            "dependency's import name: pick another name"
+        )
+
+
+def validate_name(name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", name):
+        raise Refused(f"--name {name!r} is not a valid distribution name (letters, digits, . _ -)")
+
+
+def tracked_files(template: Path) -> list[str]:
+    """The template's git-tracked files (what a fresh clone has)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(template), "ls-files", "-z"],
+            capture_output=True, check=True, text=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        raise Refused(
+            f"{template} is not a git checkout: clone the template with git and run this "
+            "script from that clone"
+        ) from None
+    return [f for f in out.stdout.split("\0") if f]
+
+
+def rewrite(text: str, rel: str, package: str, name: str, description: str) -> str:
+    """`project` -> the new names wherever it is an identifier in file `rel`."""
+    text = re.sub(rf"\bsrc/{OLD}\b", f"src/{package}", text)
+    # Dotted module paths (imports, _target_, -m project.x, "project.train" logger names),
+    # but not TOML tables such as [project.scripts].
+    text = re.sub(rf"(?<![\w.\-\[/]){OLD}(?=\.[A-Za-z_])", package, text)
+    text = re.sub(rf"(?<=\bfrom ){OLD}(?= import\b)", package, text)
+    text = re.sub(rf"(?<=\bimport ){OLD}\b(?!-)", package, text)
+    if rel.endswith(".py"):
+        text = re.sub(rf'(?<=["\']){OLD}(?=["\'])', package, text)  # getLogger("project")
+    if rel == "pyproject.toml":
+        text = re.sub(rf'^name = "{OLD}"', f'name = "{name}"', text, flags=re.M)
+        text = re.sub(r'^description = ".*"', f'description = "{description}"', text, flags=re.M)
+        text = re.sub(rf'"{OLD}"', f'"{package}"', text)  # known-first-party, coverage source
+        text = re.sub(rf"^{OLD}-(\w+) =", rf"{name}-\1 =", text, flags=re.M)  # console scripts
+    if rel.startswith("launch/"):
+        # job, image and volume names in the recipes
+        text = re.sub(rf"(?<![\w.])(k8s-)?{OLD}(?=[-:])", lambda m: f"{m[1] or ''}{name}", text)
+        text = re.sub(rf"/workspace/{OLD}\b", f"/workspace/{name}", text)
+    if rel == "README.md":
+        first, _, rest = text.partition("\n")
+        if first.startswith(f"# {OLD}"):
+            origin = "Made from the Lightning + Hydra project starter."
+            text = f"# {name}\n\n{description}\n\n{origin}\n{rest}"
+    return text
+
+
+def add_author(text: str, author: str | None, email: str | None) -> str:
+    if not author:
+        return text
+    entry = f'{{ name = "{author}"' + (f', email = "{email}"' if email else "") + " }"
+    return re.sub(r"^(license = .*)$", rf"\1\nauthors = [{entry}]", text, count=1, flags=re.M)
+
+
+def generate(args: argparse.Namespace) -> Path:
+    template = Path(__file__).resolve().parents[1]
+    validate_package(args.package)
+    name = args.name or args.package.replace("_", "-")
+    validate_name(name)
+    files = [f for f in tracked_files(template) if f not in TEMPLATE_ONLY]
+    if not (template / "src" / OLD).is_dir():
+        raise Refused(f"{template}/src/{OLD} does not exist: this checkout was renamed already")
+    dest = Path(args.destination).resolve()
+    if args.in_place:
+        if dest != template:
+            raise Refused(
+                "--in-place renames the checkout this script is in: pass '.' from its root"
+            )
+    elif dest.exists():
+        raise Refused(f"{dest} already exists: choose a new destination (nothing was written)")
+
+    description = args.description or f"{name}: a Lightning + Hydra project"
+    new_src = f"src/{args.package}/"
+    for rel in files:
+        target_rel = new_src + rel[len(f"src/{OLD}/") :] if rel.startswith(f"src/{OLD}/") else rel
+        source, target = template / rel, dest / target_rel
+        if not source.is_file():  # deleted in the working tree but still tracked
+            continue
+        data, mode = source.read_bytes(), source.stat().st_mode
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None  # binary: copied as is
+        if text is not None and rel not in VERBATIM:
+            text = rewrite(text, rel, args.package, name, description)
+            if rel == "pyproject.toml":
+                text = add_author(text, args.author, args.email)
+            data = text.encode("utf-8")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        target.chmod(mode)  # keeps executable bits (launch scripts, .ci/run)
+        if args.in_place and target != source:
+            source.unlink()
+    if args.in_place:
+        shutil.rmtree(template / "src" / OLD, ignore_errors=True)
+        for rel in TEMPLATE_ONLY:
+            path = template / rel
+            path.unlink(missing_ok=True)
+            if path.parent != template and not any(path.parent.iterdir()):
+                path.parent.rmdir()  # scripts/ held only the generator
+    return dest
+
+
+def leftovers(dest: Path) -> tuple[list[str], list[str]]:
+    """(package imports still naming `project`: errors, plain-text mentions: for review)."""
+    errors, mentions = [], []
+    for path in sorted(dest.rglob("*")):
+        if not path.is_file() or ".git" in path.parts or ".venv" in path.parts:
+            continue
+        try:
+            text = path.read_text("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        rel = path.relative_to(dest)
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if IMPORT.search(line) or DOTTED_USE.search(line):
+                errors.append(f"{rel}:{lineno}: {line.strip()}")
+            elif re.search(rf"\b{OLD}\b", line, re.I):
+                mentions.append(f"{rel}:{lineno}: {line.strip()}")
+    return errors, mentions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "destination", help="new project folder (must not exist), or . with --in-place"
+    )
+    parser.add_argument("--package", required=True, help="import name, e.g. mynet")
+    parser.add_argument("--name", help="distribution name (default: package with - for _)")
+    parser.add_argument("--author", help="author name for pyproject.toml")
+    parser.add_argument("--email", help="author email for pyproject.toml")
+    parser.add_argument("--description", help="one-line description")
+    parser.add_argument("--in-place", action="store_true", help="rename this checkout itself")
+    args = parser.parse_args(argv)
+    try:
+        dest = generate(args)
+    except Refused as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    errors, mentions = leftovers(dest)
+    if errors:
+        print("error: these lines still use the package 'project':", file=sys.stderr)
+        print("\n".join(f"  {e}" for e in errors), file=sys.stderr)
+        return 1
+    print(f"Created {dest} (package {args.package}).")
+    if mentions:
+        print(f"Plain-text mentions of '{OLD}' left for you to review ({len(mentions)}):")
+        print("\n".join(f"  {m}" for m in mentions))
+    if args.in_place:
+        print("Next: git add -A && make test && git commit -m 'Rename the template'")
+    else:
+        print(f"Next: cd {dest} && git init -q && git add -A && make test")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

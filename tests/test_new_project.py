@@ -1,0 +1,178 @@
+"""scripts/new_project.py and its copier front-end: a renamed project that works on its own.
+
+Template-only: the generator leaves this file out of the projects it makes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "new_project.py"
+GIT = ["git", "-c", "user.email=t@example.com", "-c", "user.name=test"]
+
+
+def new_project(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def assert_refused(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("package", "needle"),
+    [("My-Net", "not a valid package name"), ("2net", "not a valid package name"),
+     ("class", "keyword"), ("json", "standard-library"), ("torch", "dependency")],
+)  # fmt: skip
+def test_invalid_package_names_write_nothing(tmp_path: Path, package: str, needle: str) -> None:
+    dest = tmp_path / "new"
+    assert_refused(new_project(str(dest), "--package", package), needle)
+    assert not dest.exists()
+
+
+def test_existing_destination_is_left_alone(tmp_path: Path) -> None:
+    dest = tmp_path / "exists"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    assert_refused(new_project(str(dest), "--package", "mynet"), "already exists")
+    assert [p.name for p in dest.iterdir()] == ["keep.txt"]
+
+
+def test_outside_a_git_checkout(tmp_path: Path) -> None:
+    copy = tmp_path / "not_git" / "scripts" / "new_project.py"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(SCRIPT, copy)
+    dest = tmp_path / "out"
+    assert_refused(new_project(str(dest), "--package", "mynet", script=copy), "not a git checkout")
+    assert not dest.exists()
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("gen") / "my-net"
+    proc = new_project(str(dest), "--package", "mynet", "--name", "my-net", "--author", "Ada L",
+                       "--email", "ada@example.com", "--description", "Digits, bigger")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Plain-text mentions of 'project' left for you to review" in proc.stdout
+    return dest
+
+
+def test_generated_layout_and_names(generated: Path) -> None:
+    assert (generated / "src" / "mynet" / "train.py").is_file()
+    assert not (generated / "src" / "project").exists()
+    for template_only in ("scripts", "copier.yml", "tests/test_new_project.py"):
+        assert not (generated / template_only).exists(), template_only
+    pyproject = (generated / "pyproject.toml").read_text()
+    assert "[project]" in pyproject and "[project.scripts]" in pyproject  # tables untouched
+    assert 'name = "my-net"' in pyproject and 'my-net-train = "mynet.train:main"' in pyproject
+    assert 'known-first-party = ["mynet"]' in pyproject and "Ada L" in pyproject
+    assert "_target_: mynet.module.Classifier" in (generated / "configs/model/mlp.yaml").read_text()
+    assert "MODULE=mynet.train" in (generated / "launch/common.sh").read_text()
+    assert "from mynet.digits import" in (generated / "tests/conftest.py").read_text()
+    readme = (generated / "README.md").read_text()
+    assert readme.startswith("# my-net\n\nDigits, bigger")
+    assert "make test" in readme and "a new project" not in readme.split("\n")[0]
+    for script in ("launch/single_node.sh", "launch/multinode.sh", ".ci/run"):
+        assert os.access(generated / script, os.X_OK), script  # executable bits kept
+    leftover = subprocess.run(
+        ["grep", "-rn", "import project", str(generated)], capture_output=True
+    )
+    assert leftover.returncode == 1, leftover.stdout
+
+
+def isolated_venv(project: Path) -> Path:
+    """A venv in `project` that sees this environment's packages but not the template's own
+    editable `project` install (its .pth hook is not run), plus the project's src/."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(project / ".venv")], check=True
+    )
+    python = project / ".venv" / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(site, "inherited.pth").write_text(
+        f"{sysconfig.get_paths()['purelib']}\n{project / 'src'}\n"
+    )
+    return python
+
+
+@pytest.mark.slow
+def test_generated_project_passes_its_own_fast_suite(generated: Path) -> None:
+    python = isolated_venv(generated)
+    code = "import mynet.train, importlib.util; print(importlib.util.find_spec('project'))"
+    probe = subprocess.run(
+        [str(python), "-c", code],
+        capture_output=True, text=True, cwd=generated,
+    )  # fmt: skip
+    assert probe.returncode == 0 and probe.stdout.strip() == "None", probe.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        [str(python), "train.py", "trainer.fast_dev_run=1"], cwd=generated, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    suite = subprocess.run(
+        [str(python), "-m", "pytest", "-x", "-q", "-m", "not slow and not distributed",
+         "-p", "no:cacheprovider"],
+        cwd=generated, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert suite.returncode == 0, suite.stdout[-4000:]
+    assert " passed" in suite.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("copier") is None, reason="copier is not installed")
+def test_copier_copy_then_update_keeps_the_name(tmp_path: Path) -> None:
+    template = tmp_path / "template"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(template)], check=True)
+    # The working tree's generator files, so the test also covers uncommitted edits.
+    for rel in ("scripts/new_project.py", "copier.yml", ".copier-answers.yml.jinja"):
+        (template / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, template / rel)
+    subprocess.run([*GIT, "-C", str(template), "add", "-A"], check=True)
+    subprocess.run([*GIT, "-C", str(template), "commit", "-qm", "v1", "--allow-empty"], check=True)
+    subprocess.run(["git", "-C", str(template), "tag", "v1"], check=True)
+
+    copier = [sys.executable, "-m", "copier"]
+    dest = tmp_path / "mynet"
+    copy = subprocess.run(
+        [*copier, "copy", "--trust", "--defaults", "--vcs-ref", "v1", "-d", "package=mynet",
+         str(template), str(dest)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert copy.returncode == 0, copy.stdout[-2000:] + copy.stderr[-2000:]
+    assert (dest / "src" / "mynet" / "nets.py").is_file() and not (
+        dest / "src" / "project"
+    ).exists()
+    subprocess.run([*GIT, "-C", str(dest), "add", "-A"], check=True)
+    subprocess.run([*GIT, "-C", str(dest), "commit", "-qm", "generated"], check=True)
+
+    # A template improvement, released as v2.
+    nets = template / "src" / "project" / "nets.py"
+    nets.write_text(nets.read_text() + "\n\nTEMPLATE_V2 = True\n")
+    subprocess.run([*GIT, "-C", str(template), "commit", "-qam", "v2"], check=True)
+    subprocess.run(["git", "-C", str(template), "tag", "v2"], check=True)
+
+    update = subprocess.run(
+        [*copier, "update", "--trust", "--defaults"], cwd=dest, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert update.returncode == 0, update.stdout[-2000:] + update.stderr[-2000:]
+    assert "TEMPLATE_V2 = True" in (dest / "src" / "mynet" / "nets.py").read_text()
+    assert not (dest / "src" / "project").exists()  # still the generated project's name
+    assert "_commit: v2" in (dest / ".copier-answers.yml").read_text()
+    assert "_target_: mynet.nets.MLP" in (dest / "configs" / "model" / "mlp.yaml").read_text()
