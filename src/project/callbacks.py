@@ -1,57 +1,129 @@
-"""The template's own Lightning callbacks (the rest come from Lightning, see configs/callbacks)."""
+"""The template's own Lightning extensions (the rest come from Lightning, see configs/callbacks):
+fault tolerance (coordinated stop, exact resume, checkpoint cadence), atomic checkpoint
+writes, per-step statistics and fault injection."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from project import faults
+from project.resume import atomic_save, rng_state, set_rng_state
 from project.signals import StopSignal
 from project.step_stats import StepStats
 
 log = logging.getLogger("project.callbacks")
 
 
-class CoordinatedStop(pl.Callback):
-    """Stop every rank at the same step on SIGTERM/SIGUSR1, checking every N steps.
+class FaultTolerance(pl.Callback):
+    """Coordinated stop on SIGTERM/SIGUSR1, `last.ckpt` by steps and by time, exact resume.
 
-    Replaces Lightning's per-step blocking broadcast (`_broadcast_sigterm_tensor`, run before
-    every training step when world size > 1) and its signal handler (which broadcasts from
-    inside the handler) with `project.signals.StopSignal`. On a stop, Lightning's own
-    shutdown path runs (SIGTERMException: on_exception hooks, teardown).
+    - Every `check_every_n_steps` steps all ranks all-reduce (signal received?, time-based
+      checkpoint due?), so they stop or save after the same step. This replaces Lightning's
+      per-step blocking broadcast (`_broadcast_sigterm_tensor`) and its signal handler.
+    - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); train.py
+      exits with project.resume.EXIT_PREEMPTED.
+    - Exact resume: the RNG states travel in the checkpoint, and a mid-epoch checkpoint makes
+      the resumed epoch skip the batches already trained on (project.digits.ResumableSampler).
     """
 
-    def __init__(self, every_n_steps: int = 10) -> None:
-        self.stop = StopSignal(every_n_steps)
-        self._step = 0
+    def __init__(
+        self,
+        dirpath: str,
+        filename: str = "last.ckpt",
+        check_every_n_steps: int = 10,
+        every_n_train_steps: int | None = None,
+        every_n_seconds: float | None = None,
+    ) -> None:
+        self.path = Path(dirpath) / filename
+        self.stop = StopSignal(check_every_n_steps)
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_seconds = every_n_seconds
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._last_save = time.monotonic()
+        self._saved_step = -1
+        self._batches = 0
+
+    # --- state in the checkpoint ---
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rng_to_restore = state_dict.get("rng")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning registered its handlers just before this hook; ours replace them and
-        # Lightning's teardown restores the original ones afterwards.
+        if self._rng_to_restore is not None:  # resuming: continue the interrupted RNG streams
+            set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+            loader = trainer.train_dataloader
+            if 0 < done < trainer.num_training_batches and hasattr(loader.sampler, "skip_batches"):
+                loader.sampler.skip_batches(done, loader.batch_size)
+                log.info(f"Resuming mid-epoch: skipping the {done} batches already trained on")
+        # Lightning registered its signal handlers just before this hook; ours replace them
+        # and Lightning's teardown restores the original ones afterwards.
         self.stop.install()
+        self._last_save = time.monotonic()
         epoch_loop = trainer.fit_loop.epoch_loop
-        if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            # The per-step broadcast Lightning runs when world size > 1: the check below
+            # does its job every N steps instead.
+            epoch_loop._broadcast_sigterm_tensor = lambda: None
+        else:
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
-            return
-        device = trainer.strategy.root_device
 
-        def check_before_step() -> None:
-            self._step += 1
-            if self.stop.should_stop(self._step, device):
-                raise SIGTERMException()
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._batches += 1
+        step = trainer.global_step
+        time_due = (
+            self.every_n_seconds is not None
+            and time.monotonic() - self._last_save >= self.every_n_seconds
+        )
+        stop, save = self.stop.check(self._batches, trainer.strategy.root_device, time_due)
+        n = self.every_n_train_steps
+        save = save or bool(n and step > 0 and step % n == 0 and step != self._saved_step)
+        if save or stop:
+            self.save(trainer)
+        if stop:
+            raise SIGTERMException()
 
-        epoch_loop._broadcast_sigterm_tensor = check_before_step
+    def save(self, trainer: pl.Trainer) -> None:
+        """Write last.ckpt (every rank calls this; rank 0 writes, atomically)."""
+        trainer.save_checkpoint(self.path)
+        self._saved_step, self._last_save = trainer.global_step, time.monotonic()
+        log.info(f"Saved {self.path} at step {trainer.global_step}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stop.restore()
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.stop.restore()
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning writes checkpoints straight into the target file; a kill midway leaves a
+    truncated last.ckpt. This writes a temp file, fsyncs and renames it over the target."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        atomic_save(checkpoint, path)
+
+
+class FaultInjection(pl.Callback):
+    """Kill (or fail) a chosen rank at a chosen step: `fault_injection.*` in configs/train.yaml."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        faults.maybe_fail(trainer.global_step, trainer.global_rank, self.cfg)
 
 
 class StepStatsCallback(pl.Callback):

@@ -1,7 +1,8 @@
 """The LightningDataModule: the multi-GPU data pattern around the plain digits dataset.
 
 `prepare_data` runs in one process per node and writes the arrays once (atomically);
-`setup` runs on every rank and memory-maps them. Lightning adds the DistributedSampler.
+`setup` runs on every rank and memory-maps them. The loaders shard the data across ranks
+with a resumable DistributedSampler (project.digits.make_loader).
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from project.digits import DigitsDataset, check_writable, materialise, split_indices
+from project.digits import (
+    DigitsDataset,
+    check_writable,
+    make_loader,
+    materialise,
+    split_indices,
+)
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -47,15 +54,15 @@ class DigitsDataModule(pl.LightningDataModule):
         self.test_set = DigitsDataset(self.data_dir, test)
 
     def _loader(self, dataset: DigitsDataset, shuffle: bool) -> DataLoader:
-        workers = self.hparams.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            num_workers=workers,
-            pin_memory=self.hparams.pin_memory,
-            persistent_workers=self.hparams.persistent_workers and workers > 0,
-        )
+        # The datamodule shards the data itself (Trainer(use_distributed_sampler=False)): the
+        # same resumable sampler as the raw trainer, one process or many.
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        h = self.hparams
+        return make_loader(
+            dataset, h.batch_size, shuffle, world, rank, h.seed,
+            h.num_workers, h.pin_memory, h.persistent_workers,
+        )  # fmt: skip
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

@@ -13,13 +13,14 @@ Module-level imports stay light: this runs before Hydra has finished composing t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +214,7 @@ def relaunch_with_torchrun(
     ]  # fmt: skip
     log.info("Sweep job with %d processes: %s", nproc, " ".join(cmd))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see launch/common.sh
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         code = proc.wait()
@@ -226,3 +228,29 @@ def relaunch_with_torchrun(
         raise
     if code != 0:
         raise RuntimeError(f"sweep job in {output_dir} failed (torchrun exit code {code})")
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """gloo/NCCL errors that mean "the other side is gone", not a bug in this process."""
+    text = str(err)
+    markers = ("Connection closed by peer", "Connection reset by peer", "timed out",
+               "Timed out", "NCCL communicator was aborted", "Broken pipe")  # fmt: skip
+    return type(err).__name__ == "DistBackendError" or any(m in text for m in markers)
+
+
+@contextlib.contextmanager
+def peer_failures_reported() -> Iterator[None]:
+    """Turn "another rank is gone" errors into one line and exit 1 instead of a traceback wall."""
+    from project.console import fail
+
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_peer_failure(err):
+            raise
+        fail(
+            "a distributed collective failed: another rank died or stopped responding "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); see the other ranks' "
+            "output for the cause",
+            code=1,
+        )

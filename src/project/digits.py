@@ -1,7 +1,8 @@
 """The digits dataset as plain PyTorch: materialise once to .npy, then read memory-mapped.
 
 scikit-learn ships the 1797 8x8 handwritten digits, so this works with no network. Both
-trainers use `materialise` (once per node) and `DigitsDataset` / `split_indices` (every rank).
+trainers use `materialise` (once per node) and `DigitsDataset`, `split_indices` and
+`make_loader` (every rank).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from project.errors import UserError
 
@@ -94,3 +95,50 @@ class DigitsDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         j = self.indices[i]
         return torch.from_numpy(np.array(self.x[j])), torch.tensor(self.y[j])
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler (also for one process) that can resume in the middle of an epoch.
+
+    The order depends only on (seed, epoch), never on the global RNG, and `skip_batches(k)`
+    makes the next epoch iterator start after the first k batches: a run resumed from a
+    mid-epoch checkpoint sees exactly the batches the interrupted run had not trained on.
+    """
+
+    def __init__(self, dataset: Dataset, world: int, rank: int, shuffle: bool, seed: int) -> None:
+        super().__init__(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+        self._skip = 0
+
+    def skip_batches(self, batches: int, batch_size: int) -> None:
+        self._skip = batches * batch_size
+
+    def __iter__(self):  # type: ignore[override]
+        indices = list(super().__iter__())
+        start, self._skip = self._skip, 0  # one epoch only
+        return iter(indices[start:])
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool,
+    world: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+) -> DataLoader:
+    """The DataLoader both trainers use: a ResumableSampler, and a private generator for the
+    per-iterator seed (else every new iterator draws from the global RNG, which would make
+    dropout masks depend on when iterators were created, e.g. after a resume)."""
+    sampler = ResumableSampler(dataset, world, rank, shuffle, seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        persistent_workers=persistent_workers and num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )

@@ -18,6 +18,8 @@ import logging
 import math
 import os
 import random
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from omegaconf import DictConfig
 from project.config import CONFIG_DIR, register_resolvers, to_plain
 from project.console import report_user_errors, run_cli
 from project.errors import UserError
+from project.resume import EXIT_PREEMPTED, atomic_save, last_checkpoint
 
 log = logging.getLogger("project.raw_train")
 
@@ -45,11 +48,12 @@ CONSUMED = {
     "trainer.gradient_clip_algorithm", "trainer.check_val_every_n_epoch",
     "trainer.log_every_n_steps", "trainer.deterministic", "trainer.benchmark",
     "trainer.limit_train_batches", "trainer.limit_val_batches", "trainer.limit_test_batches",
-    "trainer.num_sanity_val_steps", "trainer.fast_dev_run",
+    "trainer.num_sanity_val_steps", "trainer.fast_dev_run", "trainer.use_distributed_sampler",
     "callbacks.model_checkpoint", "callbacks.model_checkpoint.dirpath",
     "callbacks.model_checkpoint.monitor", "callbacks.model_checkpoint.mode",
     "callbacks.model_checkpoint.save_last",
-    "callbacks.early_stopping.*", "callbacks.coordinated_stop.*",
+    "callbacks.early_stopping.*", "callbacks.fault_tolerance.*", "auto_resume",
+    "fault_injection.*",
 }  # fmt: skip
 # Keys that change what is shown or named, not what is trained.
 PRESENTATION = {
@@ -63,6 +67,7 @@ PRESENTATION = {
 }  # fmt: skip
 # Lightning features this trainer does not implement: refused when set (see check_config).
 REFUSED = {"trainer.overfit_batches": 0.0, "trainer.detect_anomaly": False}
+LAST = "last.pt"  # the raw trainer's checkpoints are its own format, not Lightning's .ckpt
 SUPPORTED_PRECISION = ("32-true", "32", 32, "bf16-mixed", "16-mixed")
 
 
@@ -103,35 +108,25 @@ def limit(n_batches: int, value: Any) -> int:
 
 
 def make_loaders(cfg: DictConfig, world: int, rank: int) -> dict[str, Any]:
-    import torch
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from project.digits import DigitsDataset, split_indices
+    """train/val/test loaders: the same `make_loader` the LightningDataModule uses."""
+    from project.digits import DigitsDataset, make_loader, split_indices
 
     d = cfg.data
-    full = DigitsDataset(d.data_dir)
-    splits = split_indices(len(full), d.val_fraction, d.test_fraction, d.seed)
-    loaders = {}
-    for stage, indices in zip(("train", "val", "test"), splits, strict=True):
-        dataset = DigitsDataset(d.data_dir, indices)
-        shuffle = stage == "train"
-        sampler = None
-        if world > 1:
-            # parity: Lightning's injected sampler: DistributedSampler(shuffle, seed=the global
-            # seed, drop_last=False), with set_epoch(epoch) every epoch (see fit_epochs).
-            sampler = DistributedSampler(
-                dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=cfg.seed
-            )
-        loaders[stage] = DataLoader(
-            dataset,
-            batch_size=d.batch_size,
-            shuffle=shuffle and sampler is None,  # one process: RandomSampler, like Lightning
-            sampler=sampler,
-            num_workers=d.num_workers,
-            pin_memory=d.pin_memory and torch.cuda.is_available(),
-            persistent_workers=d.persistent_workers and d.num_workers > 0,
+    splits = split_indices(len(DigitsDataset(d.data_dir)), d.val_fraction, d.test_fraction, d.seed)
+    return {
+        stage: make_loader(
+            DigitsDataset(d.data_dir, indices),
+            d.batch_size,
+            stage == "train",
+            world,
+            rank,
+            d.seed,
+            d.num_workers,
+            d.pin_memory,
+            d.persistent_workers,
         )
-    return loaders
+        for stage, indices in zip(("train", "val", "test"), splits, strict=True)
+    }
 
 
 # --- The trainer -----------------------------------------------------------------------------
@@ -223,8 +218,8 @@ class RawTrainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "16-mixed" else None
 
-        stop_cfg = cfg.callbacks.get("coordinated_stop") or {}
-        self.stop = StopSignal(stop_cfg.get("every_n_steps", 10))
+        self.fault_tolerance = to_plain(cfg.callbacks.get("fault_tolerance")) or {}
+        self.stop = StopSignal(self.fault_tolerance.get("check_every_n_steps", 10))
         self.stats = StepStats() if cfg.get("step_stats") else None
         self.writer = None
         if self.is_zero and cfg.get("logger"):
@@ -233,7 +228,10 @@ class RawTrainer:
             self.writer = SummaryWriter(str(output_dir / "tensorboard"))
         self.global_step = 0  # optimizer steps, like Lightning's trainer.global_step
         self.epoch = 0
+        self.batch_in_epoch = 0
         self.best: float | None = None
+        self.early = EarlyStopping(cfg.callbacks.get("early_stopping"))
+        self.resumed = False
 
     # --- helpers ---
     def barrier(self) -> None:
@@ -338,38 +336,53 @@ class RawTrainer:
     def fit(self) -> dict[str, float]:
         import torch
 
+        from project import faults
+
         cfg, t = self.cfg, self.cfg.trainer
         accumulate = int(t.get("accumulate_grad_batches") or 1)
         n_train, n_val = self.n_batches("train"), self.n_batches("val")
         max_epochs = 1 if t.get("fast_dev_run") else int(t.max_epochs)
-        early = EarlyStopping(cfg.callbacks.get("early_stopping"))
         lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
+        ft = self.fault_tolerance
         metrics: dict[str, float] = {}
-        batches_run = 0
+        batches_run, last_save = 0, time.monotonic()
         self.stop.install()
         try:
             # Like Lightning: a few validation batches before training catch a broken
-            # validation step before a long epoch. parity: Lightning isolates the global RNG
-            # around it (a DataLoader iterator draws a seed when it is created).
+            # validation step before a long epoch (not when resuming). parity: Lightning
+            # isolates the global RNG around it.
             sanity = min(int(t.get("num_sanity_val_steps") or 0), n_val)
-            if sanity > 0 and not t.get("fast_dev_run"):
+            if sanity > 0 and not t.get("fast_dev_run") and not self.resumed:
                 with isolated_rng():
                     self.evaluate("val", sanity)
             self.model.train()
             for epoch in range(self.epoch, max_epochs):
                 self.epoch = epoch
                 sampler = self.loaders["train"].sampler
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(epoch)  # parity: a new shuffle each epoch, as Lightning
+                sampler.set_epoch(epoch)  # parity: a new shuffle each epoch, as Lightning
+                if self.batch_in_epoch:  # resuming mid-epoch: skip what was trained on
+                    sampler.skip_batches(self.batch_in_epoch, self.loaders["train"].batch_size)
+                    log.info(f"Resuming mid-epoch: skipping {self.batch_in_epoch} batches")
                 self.log_scalar(lr_name, self.optimizer.param_groups[0]["lr"], self.global_step)
                 loss_sum = torch.zeros((), device=self.device)
                 correct = torch.zeros((), device=self.device, dtype=torch.long)
                 seen = 0
-                for i, (x, y) in enumerate(self.batches("train", n_train)):
+                first = self.batch_in_epoch
+                for i, (x, y) in enumerate(self.batches("train", n_train - first), start=first):
                     if self.stats:
                         self.stats.step_start()
                     batches_run += 1
-                    if self.stop.should_stop(batches_run, self.device):
+                    self.batch_in_epoch = i  # batches of this epoch already trained on
+                    due = ft.get("every_n_seconds") is not None and (
+                        time.monotonic() - last_save >= ft["every_n_seconds"]
+                    )
+                    stop, save = self.stop.check(batches_run, self.device, due)
+                    every = ft.get("every_n_train_steps")
+                    save = save or bool(every and i > first and self.global_step % every == 0)
+                    if save or stop:
+                        self.save_last()
+                        last_save = time.monotonic()
+                    if stop:
                         raise Preempted()
                     sync = (i + 1) % accumulate == 0 or i + 1 == n_train
                     loss, logits = self.train_step(x, y, accumulate, sync)
@@ -382,7 +395,9 @@ class RawTrainer:
                         self.stats.record_loss(loss / accumulate)  # what backward saw
                     if sync and self.global_step % int(t.log_every_n_steps) == 0:
                         self.log_scalar("train/loss_step", loss.item(), self.global_step)
-                metrics.update(self.epoch_train_metrics(loss_sum, correct, seen, n_train))
+                    faults.maybe_fail(self.global_step, self.rank, cfg.get("fault_injection"))
+                self.batch_in_epoch = 0
+                metrics.update(self.epoch_train_metrics(loss_sum, correct, seen, n_train - first))
                 epoch_done = (epoch + 1) % self.sched_every == 0
                 if self.scheduler and self.sched_interval == "epoch" and epoch_done:
                     self.scheduler.step()
@@ -391,14 +406,15 @@ class RawTrainer:
                     metrics.update(self.evaluate("val", n_val))
                 for name, value in metrics.items():
                     self.log_scalar(name, value, self.global_step)
+                self.epoch = epoch + 1  # what a checkpoint written now resumes at
                 if validate:
                     self.save_checkpoints(metrics)
-                    if early.should_stop(metrics) and epoch + 1 >= int(t.min_epochs or 0):
+                    last_save = time.monotonic()
+                    if self.early.should_stop(metrics) and epoch + 1 >= int(t.min_epochs or 0):
                         log.info(f"Early stopping after epoch {epoch}")
                         break
         finally:
             self.stop.restore()
-        self.epoch = max_epochs
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)
         return metrics
@@ -421,8 +437,18 @@ class RawTrainer:
         ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
         return Path(ckpt_cfg.get("dirpath") or self.output_dir / "checkpoints")
 
+    def last_path(self) -> Path:
+        return Path(self.fault_tolerance.get("dirpath") or self.checkpoint_dir()) / LAST
+
+    def save_last(self) -> None:
+        """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
+        if self.is_zero:
+            atomic_save(self.state_dict(), self.last_path())
+            log.info(f"Saved {self.last_path()} at step {self.global_step}")
+        self.barrier()
+
     def save_checkpoints(self, metrics: dict[str, float]) -> None:
-        """Save last.pt, and best.pt when the monitored metric improved (strictly)."""
+        """End of epoch: last.pt, and best.pt when the monitored metric improved (strictly)."""
         ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
         monitor = ckpt_cfg.get("monitor") or self.cfg.optimized_metric
         mode = ckpt_cfg.get("mode") or self.cfg.optimized_mode
@@ -432,28 +458,34 @@ class RawTrainer:
         )
         if improved:
             self.best = value
-        if self.is_zero and ckpt_cfg:
-            state = self.state_dict()
-            if ckpt_cfg.get("save_last", True):
-                atomic_save(state, self.checkpoint_dir() / "last.pt")
-            if improved:
-                atomic_save(state, self.checkpoint_dir() / "best.pt")
-        self.barrier()  # nobody moves on (or exits) before the checkpoint is on disk
+        if self.is_zero and ckpt_cfg and improved:
+            atomic_save(self.state_dict(), self.checkpoint_dir() / "best.pt")
+        if ckpt_cfg.get("save_last", True) or self.fault_tolerance:
+            self.save_last()
+        else:
+            self.barrier()
 
     def state_dict(self) -> dict[str, Any]:
+        from project.resume import rng_state
+
         return {
             "model": self.net.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "epoch": self.epoch + 1,  # the next epoch to run
+            "epoch": self.epoch,  # the epoch to run (or continue)
+            "batch_in_epoch": self.batch_in_epoch,  # its batches already trained on
             "global_step": self.global_step,
             "best": self.best,
+            "early_stopping": {"best": self.early.best, "wait": self.early.wait},
+            "rng": rng_state(),
             "config": to_plain(self.cfg),
         }
 
-    def load(self, path: str, weights_only: bool = False) -> None:
+    def load(self, path: str | Path, weights_only: bool = False) -> None:
         """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
         import torch
+
+        from project.resume import set_rng_state
 
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.net.load_state_dict(state["model"])
@@ -467,7 +499,13 @@ class RawTrainer:
             state["global_step"],
             state["best"],
         )
-        log.info(f"Resumed from {path} at epoch {self.epoch}, step {self.global_step}")
+        self.batch_in_epoch = state.get("batch_in_epoch", 0)
+        self.early.best = state["early_stopping"]["best"]
+        self.early.wait = state["early_stopping"]["wait"]
+        set_rng_state(state["rng"])  # continue the interrupted random streams
+        self.resumed = True
+        log.info(f"Resumed from {path}: epoch {self.epoch}, batch {self.batch_in_epoch}, "
+                 f"step {self.global_step}")  # fmt: skip
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -475,6 +513,14 @@ class RawTrainer:
         if self.writer is not None:
             self.writer.close()
         if dist.is_initialized():
+            # Tear down in this order, or gloo can deadlock (seen here, torch 2.13): the last
+            # reference to the process group must not be dropped by the DDP Reducer (its
+            # destructor joins gloo's worker thread while holding the GIL, and that thread may
+            # still need the GIL to free the tensors of a finished collective). So: drop DDP
+            # first (the group's registry keeps it alive), let the worker thread finish
+            # (sleep releases the GIL), then destroy the group.
+            self.model = self.net
+            time.sleep(0.1)
             dist.destroy_process_group()
 
 
@@ -531,29 +577,35 @@ def isolated_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def run(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test the last weights; returns the final metrics (rank 0 writes metrics.json)."""
     import json
 
     from hydra.core.hydra_config import HydraConfig
 
+    from project import ddp
+
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     trainer = RawTrainer(cfg, output_dir)
     metrics: dict[str, float] = {}
     try:
-        if cfg.get("ckpt_path"):
-            trainer.load(cfg.ckpt_path)
+        # An explicit ckpt_path wins; else (auto_resume) the last.pt a previous attempt of
+        # this run left: a torchrun restart, a requeued job, the same RUN_ID again.
+        resume = cfg.get("ckpt_path") or (
+            cfg.get("auto_resume") and last_checkpoint(trainer.last_path().parent, LAST)
+        )
+        if resume:
+            trainer.load(resume)
         if cfg.train:
-            metrics.update(trainer.fit())
+            try:
+                with ddp.peer_failures_reported():
+                    metrics.update(trainer.fit())
+            except Preempted:
+                log.info(
+                    f"Stopped by a signal at step {trainer.global_step}; {LAST} is saved. Run "
+                    f"the same command again to resume. Exit {EXIT_PREEMPTED}."
+                )
+                sys.exit(EXIT_PREEMPTED)  # the finally below still closes the process group
         if cfg.test:
             best = trainer.checkpoint_dir() / "best.pt"
             if cfg.train and cfg.get("test_ckpt") == "best" and best.is_file():

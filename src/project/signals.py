@@ -5,7 +5,8 @@ Schedulers signal before they kill: Kubernetes and most schedulers send SIGTERM,
 SIGUSR1 (`--signal`). torchrun forwards SIGTERM to every worker. The handler only sets a flag
 (no collectives inside a signal handler: they could interleave with DDP's own); every
 `every_n_steps` steps all ranks all-reduce their flags, so either every rank stops after the
-same step or none does.
+same step or none does. The same collective carries "a checkpoint is due" for time-based
+checkpoint cadence, whose clocks differ per rank.
 
 Lightning 2.6 instead broadcasts a flag from rank 0 before every training step and calls
 `.item()` on it (a CPU-GPU sync on GPU): ~1.3x slower steps on a small model (Lightning
@@ -14,16 +15,14 @@ issue #21487).
 
 from __future__ import annotations
 
-import logging
 import signal
+import sys
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger("project.signals")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -51,19 +50,25 @@ class StopSignal:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
-    def should_stop(self, step: int, device: torch.device, force: bool = False) -> bool:
-        """True on every rank iff some rank received a signal; a collective every N steps.
+    def check(
+        self, step: int, device: torch.device, due: bool = False, force: bool = False
+    ) -> tuple[bool, bool]:
+        """(stop, save): agreed by all ranks, with one collective every N steps.
 
-        Every rank must call this with the same `step` (and `force`), so that the all-reduces
-        pair up. `force=True` checks now (e.g. at the end of an epoch).
+        stop: some rank received a signal. save: some rank says a checkpoint is `due` (e.g.
+        its clock says the time-based cadence has passed). Every rank must call this with the
+        same `step` (and `force`) so that the all-reduces pair up; `force=True` checks now.
         """
         if not force and step % self.every_n_steps != 0:
-            return False
-        flag = torch.tensor([0 if self.received is None else 1], device=device)
+            return False, False
+        flags = torch.tensor([0 if self.received is None else 1, int(due)], device=device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, save = (bool(v) for v in flags.tolist())
         if stop:
+            # print, not log (rank zero only): every rank reports what it saw.
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             name = signal.Signals(self.received).name if self.received else "a peer's signal"
-            log.info(f"Stopping after step {step}: {name} received")
-        return stop
+            print(f"[rank {rank}] stopping before batch {step}: {name} received",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return stop, save

@@ -7,8 +7,11 @@ under a second.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
+    from project.callbacks import AtomicCheckpointIO, FaultInjection, StepStatsCallback
+
     quiet_lightning()
     threads = ddp.configure_threads(topology)
     ddp.check_hardware(cfg.get("strategy"), cfg.trainer)
@@ -82,19 +87,26 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
     if cfg.get("step_stats"):
-        from project.callbacks import StepStatsCallback
-
         callbacks.append(StepStatsCallback(str(output_dir)))
+    if (cfg.get("fault_injection") or {}).get("at_step") is not None:
+        callbacks.append(FaultInjection(to_plain(cfg.fault_injection)))
     trainer: pl.Trainer = instantiate(
-        cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False
+        cfg.trainer,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=[AtomicCheckpointIO()],
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))
 
     metrics: dict[str, float] = {}
     if cfg.train:
-        log.info("Training")
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        ckpt_path = resume_checkpoint(cfg, callbacks)
+        log.info(f"Training{f', resuming from {ckpt_path}' if ckpt_path else ''}")
+        with stop_cleanly(trainer):
+            # weights_only: our checkpoints hold tensors and plain values only.
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if cfg.test:
         ckpt = test_checkpoint(trainer, cfg.get("test_ckpt")) if cfg.train else cfg.get("ckpt_path")
@@ -106,6 +118,43 @@ def train(cfg: DictConfig) -> dict[str, float]:
         log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
         log.info(f"Run folder: {output_dir}")
     return metrics
+
+
+def resume_checkpoint(cfg: DictConfig, callbacks: list[Any]) -> str | None:
+    """An explicit ckpt_path, else (auto_resume) the last.ckpt a previous attempt left."""
+    if cfg.get("ckpt_path"):
+        return cfg.ckpt_path
+    if not cfg.get("auto_resume"):
+        return None
+    from project.callbacks import FaultTolerance
+    from project.resume import last_checkpoint
+
+    for cb in callbacks:
+        if isinstance(cb, FaultTolerance) and (
+            found := last_checkpoint(cb.path.parent, cb.path.name)
+        ):
+            return str(found)
+    return None
+
+
+@contextlib.contextmanager
+def stop_cleanly(trainer: Any) -> Iterator[None]:
+    """A signal stop -> exit EXIT_PREEMPTED; a dead peer -> one line instead of a hang/wall."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from project import ddp
+    from project.resume import EXIT_PREEMPTED
+
+    try:
+        with ddp.peer_failures_reported():
+            yield
+    except SIGTERMException:
+        if trainer.is_global_zero:
+            log.info(
+                f"Stopped by a signal at step {trainer.global_step}; last.ckpt is saved. Run "
+                f"the same command again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
+            )
+        sys.exit(EXIT_PREEMPTED)
 
 
 def read_metrics(run_dir: Path) -> dict[str, float]:

@@ -1,0 +1,169 @@
+"""Fault tolerance with real processes and real signals: exact resume after a preemption or a
+killed rank, torchrun restarts, no hangs, atomic checkpoints. CPU, gloo."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from project.resume import EXIT_PREEMPTED
+from tests.conftest import ROOT, finish, start
+
+# The CNN has dropout, so exact resume also needs the RNG states back.
+ARGS = ["model=cnn", "trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null"]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt_dir = run_dir / "checkpoints"
+    if (ckpt_dir / "last.pt").is_file():  # the raw trainer
+        return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
+    state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
+    return {k.removeprefix("net."): v for k, v in state.items()}
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs"  # bitwise
+
+
+def python_run(module: str, args: list[str], run_id: str, timeout: float = 180) -> tuple[int, str]:
+    return finish(start([sys.executable, "-m", module, *args], RUN_ID=run_id), timeout)
+
+
+def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[int, str]:
+    env = {"NPROC_PER_NODE": "2", **env, **({"RUN_ID": run_id} if run_id else {})}
+    return finish(start([str(ROOT / "launch" / "single_node.sh"), *args], **env), 240)
+
+
+@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
+def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(base_args, log_dir, module) -> None:
+    args = [*base_args, *ARGS]
+    code, out = python_run(module, args, "whole")
+    assert code == 0, out[-3000:]
+    # SIGTERM at step 25: every rank stops at the next check (batch 30, mid-epoch), saves
+    # last.ckpt and exits with the documented code.
+    code, out = python_run(module, [*args, "fault_injection.at_step=25",
+                                    "fault_injection.mode=sigterm"], "cut")  # fmt: skip
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert "Stopped by a signal at step 29" in out
+    # The same command again (same run folder) resumes mid-epoch and ends identical.
+    code, out = python_run(module, args, "cut")
+    assert code == 0, out[-3000:]
+    assert "skipping" in out and "9 batches" in out
+    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/cut")
+
+
+def test_step_cadence_checkpoint_then_sigkill_resumes_exactly(base_args, log_dir) -> None:
+    args = [*base_args, *ARGS, "callbacks.fault_tolerance.every_n_train_steps=7"]
+    code, out = python_run("project.train", args, "whole")
+    assert code == 0, out[-3000:]
+    code, out = python_run("project.train", [*args, "fault_injection.at_step=17"], "killed")
+    assert code == -signal.SIGKILL, out[-3000:]  # no chance to save: last.ckpt is from step 14
+    state = torch.load(log_dir / "train/runs/killed/checkpoints/last.ckpt", weights_only=True)
+    assert state["global_step"] == 14
+    code, out = python_run("project.train", args, "killed")
+    assert code == 0 and "resuming from" in out, out[-3000:]
+    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/killed")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainer", ["lightning", "raw"])
+def test_torchrun_restart_after_sigkill_matches_uninterrupted(base_args, log_dir, trainer) -> None:
+    args = [*base_args, *ARGS]
+    code, out = torchrun(args, run_id="whole", TRAINER=trainer)
+    assert code == 0, out[-3000:]
+    code, out = torchrun([*args, "fault_injection.at_step=25", "fault_injection.rank=1"],
+                         MAX_RESTARTS="1", TRAINER=trainer)  # fmt: skip
+    assert code == 0, out[-4000:]
+    assert "fault injection: sigkill on rank 1 at step 25" in out
+    restarted = [r for r in (log_dir / "train/runs").iterdir() if r.name.startswith("torchrun-")]
+    assert len(restarted) == 1  # the restarted worker group wrote into the same folder
+    assert "esum" in out  # "resuming from" / "Resumed from"
+    assert_same_weights(log_dir / "train/runs/whole", restarted[0])
+
+
+@pytest.mark.distributed
+def test_sigterm_to_torchrun_agent_stops_saves_and_rerun_resumes(base_args, log_dir) -> None:
+    args = [*base_args, "trainer.max_epochs=8", "test=false", "callbacks.early_stopping=null"]
+    code, out = torchrun(args, run_id="whole")
+    assert code == 0, out[-3000:]
+    proc = start([str(ROOT / "launch" / "single_node.sh"), *args], NPROC_PER_NODE="2", RUN_ID="sig")
+    first_epoch = log_dir / "train/runs/sig/checkpoints/last.ckpt"
+    deadline = time.monotonic() + 120
+    while not first_epoch.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.15)  # into the next epoch
+    proc.send_signal(signal.SIGTERM)  # the launch script passes it to torchrun's agent
+    code, out = finish(proc, 60)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert out.count("SIGTERM received") == 2  # both ranks agreed to stop...
+    assert out.count("Stopped by a signal") == 1 and "Saved" in out  # ...and rank 0 saved
+    stopped_at = torch.load(first_epoch, weights_only=True)["global_step"]
+    assert 10 <= stopped_at < 80
+    code, out = torchrun(args, run_id="sig")
+    assert code == 0 and "resuming from" in out, out[-3000:]
+    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/sig")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
+def test_killed_rank_without_restarts_ends_the_job(base_args, launcher) -> None:
+    args = [*base_args, *ARGS, "fault_injection.at_step=15", "fault_injection.rank=1"]
+    began = time.monotonic()
+    if launcher == "torchrun":
+        code, out = torchrun(args)  # finish() also asserts that no process is left
+    else:  # Lightning's own launcher: rank 0 is this process, rank 1 its child
+        cmd = [sys.executable, str(ROOT / "train.py"), *args, "trainer.accelerator=cpu",
+               "trainer.devices=2"]  # fmt: skip
+        code, out = finish(start(cmd), 120)
+    assert code != 0
+    assert time.monotonic() - began < 90  # well inside strategy.timeout (600 s): no hang
+    if launcher == "lightning":
+        assert "another rank died or stopped responding" in out
+
+
+def test_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path) -> None:
+    """A real SIGKILL in the middle of writing last.ckpt through AtomicCheckpointIO."""
+    path = tmp_path / "last.ckpt"
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from project.callbacks import AtomicCheckpointIO
+        io = AtomicCheckpointIO()
+        io.save_checkpoint({{"step": 1, "w": torch.ones(1000)}}, {str(path)!r})
+        real_save = torch.save
+        def dying_save(obj, f, *a, **k):
+            f.write(b"PK\\x03\\x04 half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save = dying_save
+        io.save_checkpoint({{"step": 2, "w": torch.zeros(1000)}}, {str(path)!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(1000))
+
+
+def test_fault_injection_exception_mode(base_args) -> None:
+    cmd = [sys.executable, str(ROOT / "train.py"), *base_args, "trainer.max_epochs=1",
+           "fault_injection.at_step=3", "fault_injection.mode=exception"]  # fmt: skip
+    code, out = finish(start(cmd), 120)
+    assert code != 0 and "InjectedFault: fault injection: exception on rank 0 at step 3" in out
+
+
+def test_auto_resume_off_starts_fresh(base_args, log_dir) -> None:
+    args = [*base_args, "trainer.max_epochs=1", "test=false"]
+    assert python_run("project.train", args, "again")[0] == 0
+    code, out = python_run("project.train", [*args, "auto_resume=false"], "again")
+    assert code == 0 and "resuming from" not in out
+    code, out = python_run("project.train", [*args, "trainer.max_epochs=2"], "again")
+    assert code == 0 and "resuming from" in out
