@@ -5,7 +5,6 @@ writes, per-step statistics and fault injection."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +41,12 @@ class FaultTolerance(pl.Callback):
         every_n_seconds: float | None = None,
     ) -> None:
         self.path = Path(dirpath) / filename
-        self.stop = StopSignal(check_every_n_steps)
-        self.every_n_train_steps = every_n_train_steps
-        self.every_n_seconds = every_n_seconds
+        self.stop = StopSignal(
+            check_every_n_steps,
+            save_every_n_train_steps=every_n_train_steps,
+            save_every_n_seconds=every_n_seconds,
+        )
         self._rng_to_restore: dict[str, Any] | None = None
-        self._last_save = time.monotonic()
-        self._saved_step = -1
         self._batches = 0
 
     # --- state in the checkpoint ---
@@ -69,7 +68,7 @@ class FaultTolerance(pl.Callback):
         # Lightning registered its signal handlers just before this hook; ours replace them
         # and Lightning's teardown restores the original ones afterwards.
         self.stop.install()
-        self._last_save = time.monotonic()
+        self.stop.mark_saved(trainer.global_step)  # a resumed run starts from a checkpoint
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             # The per-step broadcast Lightning runs when world size > 1: the check below
@@ -80,14 +79,8 @@ class FaultTolerance(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._batches += 1
-        step = trainer.global_step
-        time_due = (
-            self.every_n_seconds is not None
-            and time.monotonic() - self._last_save >= self.every_n_seconds
-        )
-        stop, save = self.stop.check(self._batches, trainer.strategy.root_device, time_due)
-        n = self.every_n_train_steps
-        save = save or bool(n and step > 0 and step % n == 0 and step != self._saved_step)
+        device = trainer.strategy.root_device
+        stop, save = self.stop.check(self._batches, device, trainer.global_step)
         if save or stop:
             self.save(trainer)
         if stop:
@@ -96,7 +89,7 @@ class FaultTolerance(pl.Callback):
     def save(self, trainer: pl.Trainer) -> None:
         """Write last.ckpt (every rank calls this; rank 0 writes, atomically)."""
         trainer.save_checkpoint(self.path)
-        self._saved_step, self._last_save = trainer.global_step, time.monotonic()
+        self.stop.mark_saved(trainer.global_step)
         log.info(f"Saved {self.path} at step {trainer.global_step}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from project.config import CONFIG_DIR, register_resolvers, run_id
-from project.console import fail
+from project.console import fail, read_metrics
 from project.step_stats import STATS_FILE
 
 TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
@@ -68,9 +68,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     stats_file = run_dir / STATS_FILE
     if not stats_file.is_file():
         fail(f"{stats_file} is missing: run the trainer with step_stats=true")
-    metrics_file = run_dir / "metrics.json"
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    return {"stats": json.loads(stats_file.read_text()), "metrics": metrics, "dir": str(run_dir)}
+    stats = json.loads(stats_file.read_text())
+    return {"stats": stats, "metrics": read_metrics(run_dir), "dir": str(run_dir)}
 
 
 def steady_step_s(stats: dict[str, Any], warmup: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -43,6 +44,22 @@ def quiet_lightning() -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+
+
+METRICS_FILE = "metrics.json"  # a run's final metrics, written by global rank 0
+
+
+def report_metrics(run_dir: Path, metrics: dict[str, float]) -> None:
+    """Rank 0 at the end of a run (both trainers): metrics.json and one line per fact."""
+    (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    log.info(f"Run folder: {run_dir}")
+
+
+def read_metrics(run_dir: Path) -> dict[str, float]:
+    """The final metrics a finished run wrote ({} if it wrote none)."""
+    path = run_dir / METRICS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def one_line(message: str) -> str:

@@ -123,7 +123,8 @@ def configure_threads(topology: Topology, env: MutableMapping[str, str] = os.env
     return threads
 
 
-def _on_gpu(accelerator: str) -> bool:
+def on_gpu(accelerator: str) -> bool:
+    """Whether `trainer.accelerator` means CUDA GPUs here ("auto": if there are any)."""
     import torch
 
     if accelerator in ("gpu", "cuda"):
@@ -144,7 +145,7 @@ def check_hardware(strategy_cfg: DictConfig | None, trainer_cfg: DictConfig) -> 
     """Reject options that cannot work on this hardware now, not deep inside `fit`."""
     import torch.distributed as dist
 
-    gpu = _on_gpu(str(trainer_cfg.get("accelerator", "auto")))
+    gpu = on_gpu(str(trainer_cfg.get("accelerator", "auto")))
     if trainer_cfg.get("sync_batchnorm") and not gpu:
         raise UserError(
             "trainer.sync_batchnorm=true needs CUDA GPUs (SyncBatchNorm only runs on GPU "

@@ -28,7 +28,7 @@ import hydra
 from omegaconf import DictConfig
 
 from project.config import CONFIG_DIR, register_resolvers, to_plain
-from project.console import report_user_errors, run_cli
+from project.console import report_metrics, report_user_errors, run_cli
 from project.errors import UserError
 from project.resume import EXIT_PREEMPTED, atomic_save, last_checkpoint
 
@@ -161,7 +161,7 @@ class RawTrainer:
         self.world = topology.world_size
         self.rank = int(os.environ.get("RANK", 0))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        on_gpu = ddp._on_gpu(str(t.accelerator))
+        on_gpu = ddp.on_gpu(str(t.accelerator))
         self.device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
         if on_gpu:
             torch.cuda.set_device(self.device)
@@ -218,8 +218,12 @@ class RawTrainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "16-mixed" else None
 
-        self.fault_tolerance = to_plain(cfg.callbacks.get("fault_tolerance")) or {}
-        self.stop = StopSignal(self.fault_tolerance.get("check_every_n_steps", 10))
+        ft = self.fault_tolerance = to_plain(cfg.callbacks.get("fault_tolerance")) or {}
+        self.stop = StopSignal(
+            ft.get("check_every_n_steps", 10),
+            save_every_n_train_steps=ft.get("every_n_train_steps"),
+            save_every_n_seconds=ft.get("every_n_seconds"),
+        )
         self.stats = StepStats() if cfg.get("step_stats") else None
         self.writer = None
         if self.is_zero and cfg.get("logger"):
@@ -278,10 +282,11 @@ class RawTrainer:
                 with self.autocast():
                     logits = self.model(x)
                     loss = F.cross_entropy(logits, y)
-                totals += torch.tensor(
-                    [loss.item(), 1, (logits.argmax(1) == y).sum().item(), y.numel()],
-                    device=self.device, dtype=torch.float64,
-                )  # fmt: skip
+                # On the device: one sync per evaluation, not one per batch.
+                totals[0] += loss.double()
+                totals[1] += 1
+                totals[2] += (logits.argmax(1) == y).sum()
+                totals[3] += y.numel()
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.model.train()
@@ -343,10 +348,10 @@ class RawTrainer:
         n_train, n_val = self.n_batches("train"), self.n_batches("val")
         max_epochs = 1 if t.get("fast_dev_run") else int(t.max_epochs)
         lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
-        ft = self.fault_tolerance
         metrics: dict[str, float] = {}
-        batches_run, last_save = 0, time.monotonic()
+        batches_run = 0
         self.stop.install()
+        self.stop.mark_saved(self.global_step)  # a resumed run starts from a checkpoint
         try:
             # Like Lightning: a few validation batches before training catch a broken
             # validation step before a long epoch (not when resuming). parity: Lightning
@@ -373,15 +378,9 @@ class RawTrainer:
                         self.stats.step_start()
                     batches_run += 1
                     self.batch_in_epoch = i  # batches of this epoch already trained on
-                    due = ft.get("every_n_seconds") is not None and (
-                        time.monotonic() - last_save >= ft["every_n_seconds"]
-                    )
-                    stop, save = self.stop.check(batches_run, self.device, due)
-                    every = ft.get("every_n_train_steps")
-                    save = save or bool(every and i > first and self.global_step % every == 0)
+                    stop, save = self.stop.check(batches_run, self.device, self.global_step)
                     if save or stop:
                         self.save_last()
-                        last_save = time.monotonic()
                     if stop:
                         raise Preempted()
                     sync = (i + 1) % accumulate == 0 or i + 1 == n_train
@@ -409,7 +408,6 @@ class RawTrainer:
                 self.epoch = epoch + 1  # what a checkpoint written now resumes at
                 if validate:
                     self.save_checkpoints(metrics)
-                    last_save = time.monotonic()
                     if self.early.should_stop(metrics) and epoch + 1 >= int(t.min_epochs or 0):
                         log.info(f"Early stopping after epoch {epoch}")
                         break
@@ -445,6 +443,7 @@ class RawTrainer:
         if self.is_zero:
             atomic_save(self.state_dict(), self.last_path())
             log.info(f"Saved {self.last_path()} at step {self.global_step}")
+        self.stop.mark_saved(self.global_step)
         self.barrier()
 
     def save_checkpoints(self, metrics: dict[str, float]) -> None:
@@ -562,25 +561,17 @@ def seed_everything(seed: int) -> None:
 @contextlib.contextmanager
 def isolated_rng() -> Iterator[None]:
     """Restore the python, numpy and torch (CPU and CUDA) RNG states on exit."""
-    import numpy as np
-    import torch
+    from project.resume import rng_state, set_rng_state
 
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    state = rng_state()
     try:
         yield
     finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        set_rng_state(state)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test the last weights; returns the final metrics (rank 0 writes metrics.json)."""
-    import json
-
     from hydra.core.hydra_config import HydraConfig
 
     from project import ddp
@@ -615,9 +606,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
                 trainer.log_scalar(name, value, trainer.global_step)
             metrics.update(test)
         if trainer.is_zero:
-            (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-            log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
-            log.info(f"Run folder: {output_dir}")
+            report_metrics(output_dir, metrics)
     finally:
         trainer.close()  # destroy_process_group on every exit path
     if not math.isfinite(metrics.get("train/loss", 0.0)):

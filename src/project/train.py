@@ -8,7 +8,6 @@ under a second.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -22,14 +21,14 @@ from project.config import CONFIG_DIR, is_rank_zero, register_resolvers, to_plai
 from project.console import (
     print_config_tree,
     quiet_lightning,
+    read_metrics,
+    report_metrics,
     report_user_errors,
     run_cli,
 )
 from project.errors import UserError
 
 log = logging.getLogger("project.train")
-
-METRICS_FILE = "metrics.json"  # final metrics, written by global rank 0
 
 TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "strategy", "paths")
 
@@ -114,9 +113,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.test(model, datamodule=datamodule, ckpt_path=ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if trainer.is_global_zero:
-        (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
-        log.info(f"Run folder: {output_dir}")
+        report_metrics(output_dir, metrics)
     return metrics
 
 
@@ -155,11 +152,6 @@ def stop_cleanly(trainer: Any) -> Iterator[None]:
                 f"the same command again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
             )
         sys.exit(EXIT_PREEMPTED)
-
-
-def read_metrics(run_dir: Path) -> dict[str, float]:
-    """The final metrics a finished run wrote (for sweeps that ran the job in a subprocess)."""
-    return json.loads((run_dir / METRICS_FILE).read_text())
 
 
 def test_checkpoint(trainer: Any, which: str | None) -> str | None:
