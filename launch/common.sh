@@ -27,11 +27,35 @@ gpu_count() {
   echo "${n:-0}" | awk '{print ($1 > 0 ? $1 : 1)}'
 }
 
-# Print the exact command (copy-pastable), then run it. SIGTERM/SIGINT, and SIGUSR1 (SLURM's
-# early warning), are passed on to torchrun as SIGTERM: it stops the workers, which agree on a
-# step, save checkpoints/last.ckpt and exit. This script then exits 143 ("stopped by a
-# signal, checkpoint saved: run the same command, same RUN_ID, to resume"), whatever exit
-# code torchrun itself reports for being signalled.
+# The torchrun the scripts run: torch's own (same arguments), with the job-level failure
+# handling of src/project/launcher.py (exit codes, no restarts of bad input, SIGUSR1).
+# shellcheck disable=SC2034  # used by the scripts that source this file
+TORCHRUN=("$PYTHON" -m project.launcher)
+
+# One-line input checks before anything starts (exit 2).
+die() { echo "error: $*" >&2; exit 2; }
+check_count() {  # name value: a whole number >= 1
+  [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1=$2 must be a whole number >= 1"
+}
+check_port() {  # name value
+  if ! [[ "$2" =~ ^[0-9]+$ ]] || (( $2 < 1 || $2 > 65535 )); then
+    die "$1=$2 is not a TCP port (1-65535)"
+  fi
+}
+check_host() {  # name value: resolvable here
+  [[ -n "$2" ]] || die "$1 is empty: give the address of node 0"
+  getent hosts "$2" >/dev/null 2>&1 || [[ "$2" =~ ^[0-9.:]+$ ]] \
+    || die "$1=$2 does not resolve on $(hostname): check the name (or give an IP address)"
+}
+# A port derived from a job name (the same on every node, different for another job), in
+# 20000-59999: two jobs on one node then do not share a rendezvous store.
+port_for() { echo $(( 20000 + $(printf '%s' "$1" | cksum | cut -d' ' -f1) % 40000 )); }
+
+# Print the exact command (copy-pastable), then run it. SIGTERM, SIGINT and SIGUSR1 (SLURM's
+# early warning) are passed on to the launcher: it stops the workers, which agree on a step,
+# save checkpoints/last.ckpt and exit. The script exits with the launcher's code: 143 when the
+# workers stopped on the signal ("run the same command, same RUN_ID, to resume"; SLURM
+# requeues on it), 0 when training had already finished, 2 for bad input, 1 for a failure.
 run() {
   local shown child code
   shown=$(printf '%q ' "$@")
@@ -43,13 +67,13 @@ run() {
   fi
   "$@" &
   child=$!
-  STOPPED=""
-  trap 'STOPPED=1; kill -TERM "$child" 2>/dev/null' TERM INT USR1
+  trap 'kill -TERM "$child" 2>/dev/null' TERM
+  trap 'kill -INT "$child" 2>/dev/null' INT
+  trap 'kill -USR1 "$child" 2>/dev/null' USR1
   code=0
   while true; do
     wait "$child" && code=0 || code=$?
     kill -0 "$child" 2>/dev/null || break  # a trapped signal interrupts wait: wait again
   done
-  [[ -n "$STOPPED" ]] && exit 143
   exit "$code"
 }

@@ -11,9 +11,11 @@
 #   torchrun --nnodes=2 --nproc-per-node=8 ... --no-python launch/multinode.sh trainer=gpu
 #
 # Env: NNODES (default 1), NPROC_PER_NODE (default: all GPUs, or 1), NODE_RANK (default 0),
-# MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), RDZV_ENDPOINT (host:port:
-# selects c10d), RDZV_ID (default none; names the job), LOCAL_ADDR (this node's address as
-# peers should reach it; needed for c10d when the hostname resolves to a loopback address),
+# MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default: derived from RUN_ID or the SLURM job
+# id, so two jobs on one node differ; else 29500), RDZV_ENDPOINT (host:port: selects c10d),
+# RDZV_ID (default none; names the job), LOCAL_ADDR (this node's address as peers should
+# reach it; needed for c10d when the hostname resolves to a loopback address), RDZV_TIMEOUT
+# (default 300: seconds to wait for every node before failing with a diagnosis),
 # MAX_RESTARTS (default 0), plus PYTHON, TRAINER, DRY_RUN from launch/common.sh.
 # Passed through untouched: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (the network interface
 # to use, e.g. eth0 or ib0), NCCL_DEBUG=INFO (what NCCL chose), TORCH_DISTRIBUTED_DEBUG.
@@ -30,14 +32,34 @@ for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_DEBUG TORCH_DISTRIBUTED_DE
   [[ -n "${!var:-}" ]] && echo "# $var=${!var}"
 done
 
-args=(--nnodes="${NNODES:-1}" --nproc-per-node="${NPROC_PER_NODE:-$(gpu_count)}"
-      --max-restarts="${MAX_RESTARTS:-0}")
+# Check the input before torchrun starts: a wrong value otherwise shows as a long silent wait.
+nnodes="${NNODES:-1}" node_rank="${NODE_RANK:-0}" nproc="${NPROC_PER_NODE:-$(gpu_count)}"
+[[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || die "NNODES=$nnodes must be N or MIN:MAX (whole numbers >= 1)"
+check_count NPROC_PER_NODE "$nproc"
+[[ "${MAX_RESTARTS:-0}" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$MAX_RESTARTS must be a whole number"
+rdzv_timeout="${RDZV_TIMEOUT:-300}"
+check_count RDZV_TIMEOUT "$rdzv_timeout"
+
+args=(--nnodes="$nnodes" --nproc-per-node="$nproc" --max-restarts="${MAX_RESTARTS:-0}"
+      --rdzv-conf="join_timeout=$rdzv_timeout,timeout=$rdzv_timeout")
 if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+  [[ "$RDZV_ENDPOINT" == *:* ]] || die "RDZV_ENDPOINT=$RDZV_ENDPOINT must be host:port"
+  check_host RDZV_ENDPOINT "${RDZV_ENDPOINT%:*}"
+  check_port "RDZV_ENDPOINT port" "${RDZV_ENDPOINT##*:}"
   args+=(--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-none}")
 else
-  args+=(--node-rank="${NODE_RANK:-0}" --master-addr="${MASTER_ADDR:-127.0.0.1}"
-         --master-port="${MASTER_PORT:-29500}")
+  [[ "$nnodes" =~ ^[0-9]+$ ]] || die "NNODES=$nnodes: a range needs c10d rendezvous (set RDZV_ENDPOINT)"
+  if ! [[ "$node_rank" =~ ^[0-9]+$ ]] || (( node_rank >= nnodes )); then
+    die "NODE_RANK=$node_rank must be one of 0..$((nnodes - 1)) (NNODES=$nnodes)"
+  fi
+  master_addr="${MASTER_ADDR:-127.0.0.1}"
+  # The port: given, else derived from the job's name (RUN_ID / SLURM job), else 29500.
+  job="${RUN_ID:-${SLURM_JOB_ID:-}}"
+  master_port="${MASTER_PORT:-$([[ -n "$job" ]] && port_for "$job" || echo 29500)}"
+  check_host MASTER_ADDR "$master_addr"
+  check_port MASTER_PORT "$master_port"
+  args+=(--node-rank="$node_rank" --master-addr="$master_addr" --master-port="$master_port")
 fi
 [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local-addr="$LOCAL_ADDR")
 
-run "$PYTHON" -m torch.distributed.run "${args[@]}" -m "$MODULE" "$@"
+run "${TORCHRUN[@]}" "${args[@]}" -m "$MODULE" "$@"

@@ -13,7 +13,11 @@ set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-run "$PYTHON" -m torch.distributed.run --standalone \
-  --nproc-per-node="${NPROC_PER_NODE:-$(gpu_count)}" \
+nproc="${NPROC_PER_NODE:-$(gpu_count)}"
+check_count NPROC_PER_NODE "$nproc"
+[[ "${MAX_RESTARTS:-0}" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$MAX_RESTARTS must be a whole number"
+
+run "${TORCHRUN[@]}" --standalone \
+  --nproc-per-node="$nproc" \
   --max-restarts="${MAX_RESTARTS:-0}" \
   -m "$MODULE" "$@"

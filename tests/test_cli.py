@@ -77,4 +77,4 @@ def test_eval_missing_checkpoint(tmp_path) -> None:
 def test_eval_not_a_checkpoint(tmp_path) -> None:
     fake = tmp_path / "fake.ckpt"
     fake.write_text("hello")
-    assert_one_line_error(run_script("eval.py", [f"ckpt_path={fake}"]), "not a checkpoint")
+    assert_one_line_error(run_script("eval.py", [f"ckpt_path={fake}"]), "cannot be read")

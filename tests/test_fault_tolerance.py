@@ -3,6 +3,7 @@ killed rank, torchrun restarts, no hangs, atomic checkpoints. CPU, gloo."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -45,20 +46,26 @@ def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[in
 
 
 @pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
-def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(base_args, log_dir, module) -> None:
-    args = [*base_args, *ARGS]
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
+    base_args, log_dir, module, accumulate
+) -> None:
+    args = [*base_args, *ARGS, f"trainer.accumulate_grad_batches={accumulate}"]
+    if accumulate > 1:  # checks every 2 windows = 8 batches: a stop never splits a window
+        args.append("callbacks.fault_tolerance.check_every_n_steps=2")
     code, out = python_run(module, args, "whole")
     assert code == 0, out[-3000:]
-    # SIGTERM at step 25: every rank stops at the next check (batch 30, mid-epoch), saves
-    # last.ckpt and exits with the documented code.
-    code, out = python_run(module, [*args, "fault_injection.at_step=25",
+    # SIGTERM at step 25 (accumulate 4: step 7, batch 8 of epoch 1): every rank stops at the
+    # next check (mid-epoch, at a window start), saves last.ckpt and exits with the code.
+    at_step, stop_step, skipped = (25, 29, 9) if accumulate == 1 else (7, 7, 8)
+    code, out = python_run(module, [*args, f"fault_injection.at_step={at_step}",
                                     "fault_injection.mode=sigterm"], "cut")  # fmt: skip
     assert code == EXIT_PREEMPTED, out[-3000:]
-    assert "Stopped by a signal at step 29" in out
+    assert f"Stopped by a signal at step {stop_step}" in out
     # The same command again (same run folder) resumes mid-epoch and ends identical.
     code, out = python_run(module, args, "cut")
     assert code == 0, out[-3000:]
-    assert "skipping" in out and "9 batches" in out
+    assert "skipping" in out and f"{skipped} batches" in out
     assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/cut")
 
 
@@ -164,6 +171,72 @@ def test_auto_resume_off_starts_fresh(base_args, log_dir) -> None:
     args = [*base_args, "trainer.max_epochs=1", "test=false"]
     assert python_run("project.train", args, "again")[0] == 0
     code, out = python_run("project.train", [*args, "auto_resume=false"], "again")
-    assert code == 0 and "resuming from" not in out
-    code, out = python_run("project.train", [*args, "trainer.max_epochs=2"], "again")
-    assert code == 0 and "resuming from" in out
+    assert code == 0 and "resuming from" not in out and "already finished" not in out
+
+
+def sigterm_mid_run(
+    proc_env: dict[str, str], args: list[str], target: str, signum: int, log_dir: Path
+) -> tuple[int, str]:
+    """Start the 2-process launch script, wait for its first checkpoint, then signal: the whole
+    process group (a terminal's Ctrl-C), the script, or the launcher (torchrun) process."""
+    proc = start([str(ROOT / "launch" / "single_node.sh"), *args], **proc_env)
+    first = log_dir / "train/runs" / proc_env["RUN_ID"] / "checkpoints/last.ckpt"
+    deadline = time.monotonic() + 120
+    while not first.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.15)  # into the next epoch
+    if target == "group":
+        os.killpg(proc.pid, signum)
+    elif target == "script":
+        proc.send_signal(signum)
+    else:
+        launcher = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "project.launcher"],
+                                  capture_output=True, text=True).stdout.split()  # fmt: skip
+        os.kill(int(launcher[0]), signum)
+    return finish(proc, 90)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("target", "signum"),
+    [("group", signal.SIGINT), ("launcher", signal.SIGUSR1), ("launcher", signal.SIGTERM)],
+    ids=["ctrl-c", "usr1-to-torchrun", "term-to-torchrun"],
+)
+def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> None:
+    """Ctrl-C (SIGINT to every process, torchrun forwarding it again) used to kill the workers
+    with KeyboardInterrupt and save nothing; SIGUSR1 to torchrun killed torchrun alone and left
+    the workers training; SIGTERM to torchrun stopped cleanly but exited 1."""
+    args = [*base_args, "trainer.max_epochs=8", "test=false", "callbacks.early_stopping=null"]
+    env = {"NPROC_PER_NODE": "2", "RUN_ID": "sig"}
+    code, out = sigterm_mid_run(env, args, target, signum, log_dir)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    name = signal.Signals(signum).name
+    assert out.count(f"{name} received") == 2, out[-3000:]  # both ranks agreed to stop
+    stopped = int(out.split("Stopped by a signal at step ")[1].split(";")[0])
+    saved = torch.load(log_dir / "train/runs/sig/checkpoints/last.ckpt", weights_only=True)
+    assert saved["global_step"] == stopped and not saved["project"]["finished"]
+    assert "the workers saved last.ckpt" in out and "Traceback" not in out
+
+
+@pytest.mark.distributed
+def test_hung_rank_under_lightning_launcher_leaves_no_process(base_args) -> None:
+    """Rank 1 stops responding; rank 0 fails on the collective timeout, and rank 1 (its child)
+    must not be left behind (finish() asserts the whole process group is gone)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *base_args, *ARGS, "trainer.accelerator=cpu",
+           "trainer.devices=2", "fault_injection.at_step=5", "fault_injection.rank=1",
+           "fault_injection.mode=hang", "strategy.timeout.seconds=10"]  # fmt: skip
+    began = time.monotonic()
+    code, out = finish(start(cmd), 120)
+    assert code == 1 and "another rank died or stopped responding" in out, out[-3000:]
+    assert time.monotonic() - began < 90
+
+
+def test_stop_check_adapts_to_the_stop_budget(base_args, log_dir) -> None:
+    """With slow steps (here: a budget far below one step) the ranks check every window, so a
+    stop fits the scheduler's grace time, and they say that even one step does not fit."""
+    args = [*base_args, *ARGS, "callbacks.fault_tolerance.stop_budget_s=0.001",
+            "fault_injection.at_step=25", "fault_injection.mode=sigterm"]  # fmt: skip
+    code, out = python_run("project.train", args, "budget")
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert "Stopped by a signal at step 25" in out  # not 29: the default every-10 check
+    assert out.count("more than the stop budget") == 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -168,8 +170,6 @@ def test_torchrun_no_python_multinode_script(base_args, log_dir) -> None:
     ],
 )
 def test_topology_mismatch_stops_every_rank(base_args, override: str, message: str) -> None:
-    import time
-
     began = time.monotonic()
     proc = start([str(ROOT / "launch" / "single_node.sh"), *base_args, override],
                  NPROC_PER_NODE="2")  # fmt: skip
@@ -199,6 +199,7 @@ def test_scripts_parse_and_pass_shellcheck() -> None:
         *(ROOT / "launch").glob("*.sh"),
         ROOT / "launch" / "slurm.sbatch",
         ROOT / ".ci" / "run",
+        ROOT / "tests" / "slurm_cluster.sh",
     ]
     for script in scripts:
         subprocess.run(["bash", "-n", str(script)], check=True)
@@ -219,7 +220,7 @@ def test_printed_torchrun_commands() -> None:
     py = os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     out = dry_run("single_node.sh", "model=cnn", NPROC_PER_NODE="4", PYTHON=py)
     assert out.strip() == (
-        f"+ {py} -m torch.distributed.run --standalone --nproc-per-node=4 --max-restarts=0 "
+        f"+ {py} -m project.launcher --standalone --nproc-per-node=4 --max-restarts=0 "
         "-m project.train model=cnn"
     )
     out = dry_run("multinode.sh", "x=1", NNODES="2", NPROC_PER_NODE="8", NODE_RANK="1",
@@ -227,16 +228,92 @@ def test_printed_torchrun_commands() -> None:
                   NCCL_SOCKET_IFNAME="ib0", PYTHON=py)  # fmt: skip
     assert "# NCCL_SOCKET_IFNAME=ib0" in out
     assert out.splitlines()[-1] == (
-        f"+ {py} -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --max-restarts=3 "
+        f"+ {py} -m project.launcher --nnodes=2 --nproc-per-node=8 --max-restarts=3 "
+        "--rdzv-conf=join_timeout=300\\,timeout=300 "
         "--node-rank=1 --master-addr=10.0.0.1 --master-port=1234 -m project.train x=1"
     )
-    out = dry_run("multinode.sh", NNODES="1:4", NPROC_PER_NODE="2", RDZV_ENDPOINT="h:29400",
-                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", TRAINER="raw", PYTHON=py)  # fmt: skip
+    out = dry_run("multinode.sh", NNODES="1:4", NPROC_PER_NODE="2", RDZV_ENDPOINT="localhost:29400",
+                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", TRAINER="raw", RDZV_TIMEOUT="60",
+                  PYTHON=py)  # fmt: skip
     assert out.splitlines()[-1] == (
-        f"+ {py} -m torch.distributed.run --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
-        "--rdzv-backend=c10d --rdzv-endpoint=h:29400 --rdzv-id=job7 --local-addr=10.0.0.5 "
-        "-m project.raw_train"
+        f"+ {py} -m project.launcher --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
+        "--rdzv-conf=join_timeout=60\\,timeout=60 --rdzv-backend=c10d "
+        "--rdzv-endpoint=localhost:29400 --rdzv-id=job7 --local-addr=10.0.0.5 -m project.raw_train"
     )
+
+
+def test_master_port_follows_the_job() -> None:
+    """Two jobs on one node used to share port 29500/29400 and so one rendezvous store."""
+
+    def port(**env: str) -> str:
+        return dry_run("multinode.sh", NNODES="2", **env).split("--master-port=")[1].split()[0]
+
+    assert port(RUN_ID="a") == port(RUN_ID="a") != port(RUN_ID="b")
+    assert port(SLURM_JOB_ID="17") != port(SLURM_JOB_ID="18")
+    assert port() == "29500" and port(RUN_ID="a", MASTER_PORT="4000") == "4000"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NNODES": "2", "NODE_RANK": "5"}, "NODE_RANK=5 must be one of 0..1 (NNODES=2)"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0 must be a whole number >= 1"),
+        ({"NNODES": "two"}, "NNODES=two must be N or MIN:MAX"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+        (
+            {"MASTER_ADDR": "no-such-host.invalid"},
+            "MASTER_ADDR=no-such-host.invalid does not resolve",
+        ),
+        ({"RDZV_ENDPOINT": "localhost"}, "RDZV_ENDPOINT=localhost must be host:port"),
+    ],
+)
+def test_launch_input_is_checked_before_torchrun(env: dict, message: str) -> None:
+    began = time.monotonic()
+    code, out = finish(start([str(ROOT / "launch" / "multinode.sh")], **env), 30)
+    assert (code == 2 and out.strip() == f"error: {message}") or message in out, out
+    assert out.strip().startswith("error: ") and len(out.strip().splitlines()) == 1, out
+    assert time.monotonic() - began < 10
+
+
+def test_missing_node_is_reported_not_waited_on(base_args) -> None:
+    """Node 1 is never started: node 0 stops after RDZV_TIMEOUT with a diagnosis (it used to
+    wait 15 minutes, then print a C++ stack trace)."""
+    began = time.monotonic()
+    proc = start([str(ROOT / "launch" / "multinode.sh"), *base_args], NNODES="2",
+                 NPROC_PER_NODE="1", NODE_RANK="0", MASTER_PORT=str(free_port()),
+                 RDZV_TIMEOUT="8")  # fmt: skip
+    code, out = finish(proc, 90)
+    assert code == 1, out[-3000:]
+    assert "did not complete" in out and "a node was not started" in out
+    assert "Traceback" not in out
+    assert time.monotonic() - began < 60
+
+
+def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
+    """A signal that arrives after the workers finished is exit 0 (SLURM would requeue a
+    finished job on 143); a crash is exit 1 with one line naming the rank."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "from project.launcher import report_exit\n"
+        "with report_exit():\n"
+        "    if sys.argv[1] == 'crash' and os.environ['RANK'] == '1':\n"
+        "        sys.exit(3)\n"
+        "print('finished', flush=True)\n"
+        "time.sleep(60 if sys.argv[1] == 'linger' else 0)  # e.g. a slow interpreter exit\n"
+    )
+    cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
+           str(worker)]  # fmt: skip
+    proc = start([*cmd, "linger"])
+    out = ""
+    while out.count("finished") < 2 and proc.poll() is None:
+        out += proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    code, rest = finish(proc, 60)
+    assert code == 0 and "arrived after training had finished" in rest, out + rest
+    code, out = finish(start([*cmd, "crash"]), 60)
+    assert code == 1 and "error: rank 1" in out and "exited with code 3" in out, out
+    assert "Traceback" not in out and "ChildFailedError" not in out
 
 
 def test_unknown_trainer_switch() -> None:

@@ -1,10 +1,11 @@
 """The template's own Lightning extensions (the rest come from Lightning, see configs/callbacks):
-fault tolerance (coordinated stop, exact resume, checkpoint cadence), atomic checkpoint
-writes, per-step statistics and fault injection."""
+fault tolerance (last.ckpt, coordinated stop, exact resume), atomic checkpoint writes,
+per-step statistics and fault injection."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project import faults
-from project.resume import atomic_save, rng_state, set_rng_state
+from project.resume import atomic_save, project_state, rng_state, set_rng_state
 from project.signals import StopSignal
 from project.step_stats import StepStats
 
@@ -21,13 +22,20 @@ log = logging.getLogger("project.callbacks")
 
 
 class FaultTolerance(pl.Callback):
-    """Coordinated stop on SIGTERM/SIGUSR1, `last.ckpt` by steps and by time, exact resume.
+    """Owns `last.ckpt`: written at every epoch end, every N steps, every T seconds, on a stop
+    signal and when training ends; coordinated stop on SIGTERM/SIGUSR1/SIGINT; exact resume.
 
-    - Every `check_every_n_steps` steps all ranks all-reduce (signal received?, time-based
-      checkpoint due?), so they stop or save after the same step. This replaces Lightning's
-      per-step blocking broadcast (`_broadcast_sigterm_tensor`) and its signal handler.
+    - At the start of every accumulation window, every few windows, all ranks all-reduce
+      (signal received?, time-based checkpoint due?), so they stop or save after the same
+      optimizer step (project.signals). This replaces Lightning's per-step blocking broadcast
+      (`_broadcast_sigterm_tensor`) and its signal handler.
     - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); train.py
       exits with project.resume.EXIT_PREEMPTED.
+    - The end-of-epoch checkpoint is written before the first batch of the next epoch (a
+      mid-epoch checkpoint with nothing of that epoch done: the restart point Lightning
+      resumes exactly), and the last one when training ends, marked finished. Lightning's
+      ModelCheckpoint(save_last=True) is not used for this: in 2.6 it refreshes last.ckpt only
+      when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
     - Exact resume: the RNG states travel in the checkpoint, and a mid-epoch checkpoint makes
       the resumed epoch skip the batches already trained on (project.digits.ResumableSampler).
     """
@@ -39,15 +47,19 @@ class FaultTolerance(pl.Callback):
         check_every_n_steps: int = 10,
         every_n_train_steps: int | None = None,
         every_n_seconds: float | None = None,
+        stop_budget_s: float | None = 25.0,
     ) -> None:
         self.path = Path(dirpath) / filename
         self.stop = StopSignal(
             check_every_n_steps,
             save_every_n_train_steps=every_n_train_steps,
             save_every_n_seconds=every_n_seconds,
+            budget_s=stop_budget_s,
         )
+        self.identity: dict[str, Any] = {}  # set by train.py: what this run trains
+        self.finished = False
+        self.metrics: dict[str, float] = {}
         self._rng_to_restore: dict[str, Any] | None = None
-        self._batches = 0
 
     # --- state in the checkpoint ---
     def state_dict(self) -> dict[str, Any]:
@@ -55,6 +67,11 @@ class FaultTolerance(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rng_to_restore = state_dict.get("rng")
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["project"] = project_state(self.identity, self.finished, self.metrics)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._rng_to_restore is not None:  # resuming: continue the interrupted RNG streams
@@ -72,28 +89,37 @@ class FaultTolerance(pl.Callback):
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             # The per-step broadcast Lightning runs when world size > 1: the check below
-            # does its job every N steps instead.
+            # does its job every few steps instead.
             epoch_loop._broadcast_sigterm_tensor = lambda: None
         else:
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._batches += 1
-        device = trainer.strategy.root_device
-        stop, save = self.stop.check(self._batches, device, trainer.global_step)
-        if save or stop:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # inside an accumulation window: partial gradients are not checkpointed
+        stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
+        epoch_end = batch_idx == 0 and trainer.global_step != self.stop.saved_step
+        if save or stop or epoch_end:
             self.save(trainer)
         if stop:
             raise SIGTERMException()
 
     def save(self, trainer: pl.Trainer) -> None:
         """Write last.ckpt (every rank calls this; rank 0 writes, atomically)."""
-        trainer.save_checkpoint(self.path)
-        self.stop.mark_saved(trainer.global_step)
+        if trainer.fast_dev_run:
+            return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
+        began = time.monotonic()
+        trainer.save_checkpoint(self.path, weights_only=False)  # full state: a resume point
+        self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
         log.info(f"Saved {self.path} at step {trainer.global_step}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stop.restore()
+        self.finished = True
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        self.save(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.stop.restore()

@@ -4,8 +4,10 @@ this runs before `--help` and `--cfg job` answer.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,10 @@ def run_id() -> str:
 
     Order: env RUN_ID (set it to resume a run, or to name one across nodes) -> the torchrun
     job id (shared by all ranks and kept across `--max-restarts`; agreed through torchrun's
-    store when it has none) -> SLURM job id -> a fresh timestamp with a random suffix (so two
-    runs started in the same second never collide).
+    store when it has none) -> SLURM job id + a digest of the command's overrides (a requeued
+    job reruns the same command and finds its folder; two different runs inside one
+    allocation do not share one) -> a fresh timestamp with a random suffix (so two runs
+    started in the same second never collide).
     """
     global _run_id
     if _run_id is None:
@@ -40,10 +44,16 @@ def run_id() -> str:
 
             _run_id = shared_run_id(fresh)
         elif os.environ.get("SLURM_JOB_ID"):
-            _run_id = f"slurm-{os.environ['SLURM_JOB_ID']}"
+            _run_id = f"slurm-{os.environ['SLURM_JOB_ID']}-{command_digest(sys.argv[1:])}"
         else:
             _run_id = fresh
     return _run_id
+
+
+def command_digest(overrides: list[str]) -> str:
+    """6 hex digits naming a set of overrides (order-free; Hydra's own `hydra.*` ignored)."""
+    kept = sorted(o for o in overrides if not o.startswith("hydra."))
+    return hashlib.sha1("\0".join(kept).encode()).hexdigest()[:6]
 
 
 def is_rank_zero() -> bool:
@@ -65,11 +75,27 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_id", run_id)
     if not OmegaConf.has_resolver("root_dir"):
         OmegaConf.register_new_resolver("root_dir", lambda: str(ROOT_DIR))
-    # The `.hydra/` snapshot is written by global rank 0 only; other ranks get null.
-    if not OmegaConf.has_resolver("rank_zero_subdir"):
-        OmegaConf.register_new_resolver(
-            "rank_zero_subdir", lambda name: name if is_rank_zero() else None
-        )
+    if not OmegaConf.has_resolver("config_subdir"):
+        OmegaConf.register_new_resolver("config_subdir", config_subdir)
+
+
+def config_subdir(name: str, run_dir: str) -> str | None:
+    """Where Hydra saves this attempt's config snapshot, relative to the run folder.
+
+    Global rank 0 only (other ranks: null, nothing written). A run folder's first attempt gets
+    `name` (.hydra/); a later attempt in the same folder (resume, restart, requeue, the same
+    RUN_ID again) gets `name/attempt-N/`, so the record of how the run began is never
+    overwritten, also not by an attempt whose config is then refused.
+    """
+    if not is_rank_zero():
+        return None
+    first = Path(run_dir) / name
+    if not (first / "config.yaml").exists():
+        return name
+    n = 1
+    while (first / f"attempt-{n}").exists():
+        n += 1
+    return f"{name}/attempt-{n}"
 
 
 def to_plain(cfg: Any) -> Any:

@@ -112,7 +112,17 @@ def run_cli(hydra_main: Callable[[], Any]) -> None:
     instead of printing its own multi-line report with the config search path.
     """
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    report_user_errors(hydra_main)
+    try:
+        report_user_errors(hydra_main)
+    except OSError as err:
+        if err.filename is None:
+            raise
+        # A folder the run must write (run folder, logs, data) cannot be: the environment's
+        # fault, not a bug, and nothing a restart would fix.
+        fail(
+            f"{err.filename} cannot be written ({err.strerror}): point paths.log_dir / "
+            "paths.data_dir at a writable folder"
+        )
 
 
 def print_config_tree(

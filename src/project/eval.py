@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
 from project.config import CONFIG_DIR, register_resolvers
-from project.console import one_line, report_user_errors, run_cli
+from project.console import report_user_errors, run_cli
 from project.errors import UserError
 
 log = logging.getLogger("project.eval")
@@ -18,21 +17,12 @@ log = logging.getLogger("project.eval")
 
 def load_checkpoint(path: str | None) -> dict[str, Any]:
     """Load `path` with weights_only=True, or raise a one-line UserError saying what is wrong."""
-    import torch
+    from project.resume import read_checkpoint
 
     if path is None:
         raise UserError("ckpt_path is required: python eval.py ckpt_path=/path/to/last.ckpt")
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"ckpt_path={path} does not exist (or is a folder); give a .ckpt file")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise UserError(
-            f"ckpt_path={path} is not a checkpoint torch can load "
-            f"({type(err).__name__}: {one_line(str(err))[:200]})"
-        ) from err
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
+    ckpt = read_checkpoint(path, "ckpt_path")
+    if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise UserError(f"ckpt_path={path} is not a Lightning checkpoint of this project")
     return ckpt
 

@@ -1,6 +1,7 @@
 """Fault injection for tests and failure drills, shared by both trainers.
 
     python train.py fault_injection.at_step=30 fault_injection.rank=1   # SIGKILL rank 1 at step 30
+    python train.py ... fault_injection.mode=hang    # rank 1 stops responding (peers time out)
 
 Only the first attempt of a torchrun job fails (TORCHELASTIC_RESTART_COUNT=0), so a job run
 with `--max-restarts` recovers instead of failing again at the same step after resuming.
@@ -11,10 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
-MODES = ("sigkill", "sigterm", "exception")
+MODES = ("sigkill", "sigterm", "sigint", "exception", "hang")
 
 
 class InjectedFault(RuntimeError):
@@ -34,9 +36,12 @@ def maybe_fail(step: int, rank: int, cfg: Mapping[str, Any] | None) -> None:
     print(f"fault injection: {mode} on rank {rank} at step {step}", file=sys.stderr, flush=True)
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif mode == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
+    elif mode in ("sigterm", "sigint"):
+        os.kill(os.getpid(), signal.SIGTERM if mode == "sigterm" else signal.SIGINT)
     elif mode == "exception":
         raise InjectedFault(f"fault injection: exception on rank {rank} at step {step}")
+    elif mode == "hang":  # a rank that stops responding (deadlock, stuck I/O, a wedged GPU)
+        while True:
+            time.sleep(3600)
     else:
         raise ValueError(f"fault_injection.mode={mode!r} is not one of {', '.join(MODES)}")

@@ -28,9 +28,22 @@ import hydra
 from omegaconf import DictConfig
 
 from project.config import CONFIG_DIR, register_resolvers, to_plain
-from project.console import report_metrics, report_user_errors, run_cli
+from project.console import (
+    METRICS_FILE,
+    read_metrics,
+    report_metrics,
+    report_user_errors,
+    run_cli,
+)
 from project.errors import UserError
-from project.resume import EXIT_PREEMPTED, atomic_save, last_checkpoint
+from project.launcher import report_exit
+from project.resume import (
+    EXIT_PREEMPTED,
+    atomic_save,
+    find_resume,
+    project_state,
+    training_identity,
+)
 
 log = logging.getLogger("project.raw_train")
 
@@ -51,7 +64,6 @@ CONSUMED = {
     "trainer.num_sanity_val_steps", "trainer.fast_dev_run", "trainer.use_distributed_sampler",
     "callbacks.model_checkpoint", "callbacks.model_checkpoint.dirpath",
     "callbacks.model_checkpoint.monitor", "callbacks.model_checkpoint.mode",
-    "callbacks.model_checkpoint.save_last",
     "callbacks.early_stopping.*", "callbacks.fault_tolerance.*", "auto_resume",
     "fault_injection.*",
 }  # fmt: skip
@@ -64,6 +76,7 @@ PRESENTATION = {
     "callbacks.model_checkpoint.filename", "callbacks.model_checkpoint.save_top_k",
     "callbacks.model_checkpoint.auto_insert_metric_name",
     "callbacks.model_checkpoint.every_n_epochs",
+    "callbacks.model_checkpoint.save_last",  # must stay false: fault_tolerance owns last.*
 }  # fmt: skip
 # Lightning features this trainer does not implement: refused when set (see check_config).
 REFUSED = {"trainer.overfit_batches": 0.0, "trainer.detect_anomaly": False}
@@ -223,7 +236,11 @@ class RawTrainer:
             ft.get("check_every_n_steps", 10),
             save_every_n_train_steps=ft.get("every_n_train_steps"),
             save_every_n_seconds=ft.get("every_n_seconds"),
+            budget_s=ft.get("stop_budget_s", 25.0),
         )
+        self.identity = training_identity(to_plain(cfg))
+        self.finished = False  # set when fit ends normally: last.pt then says so
+        self.final_metrics: dict[str, float] = {}
         self.stats = StepStats() if cfg.get("step_stats") else None
         self.writer = None
         if self.is_zero and cfg.get("logger"):
@@ -349,7 +366,6 @@ class RawTrainer:
         max_epochs = 1 if t.get("fast_dev_run") else int(t.max_epochs)
         lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
         metrics: dict[str, float] = {}
-        batches_run = 0
         self.stop.install()
         self.stop.mark_saved(self.global_step)  # a resumed run starts from a checkpoint
         try:
@@ -376,13 +392,13 @@ class RawTrainer:
                 for i, (x, y) in enumerate(self.batches("train", n_train - first), start=first):
                     if self.stats:
                         self.stats.step_start()
-                    batches_run += 1
                     self.batch_in_epoch = i  # batches of this epoch already trained on
-                    stop, save = self.stop.check(batches_run, self.device, self.global_step)
-                    if save or stop:
-                        self.save_last()
-                    if stop:
-                        raise Preempted()
+                    if i % accumulate == 0:  # a window start: no partial gradients to lose
+                        stop, save = self.stop.check(self.device, self.global_step)
+                        if save or stop:
+                            self.save_last()
+                        if stop:
+                            raise Preempted()
                     sync = (i + 1) % accumulate == 0 or i + 1 == n_train
                     loss, logits = self.train_step(x, y, accumulate, sync)
                     if sync:
@@ -407,12 +423,17 @@ class RawTrainer:
                     self.log_scalar(name, value, self.global_step)
                 self.epoch = epoch + 1  # what a checkpoint written now resumes at
                 if validate:
-                    self.save_checkpoints(metrics)
+                    self.save_best(metrics)
                     if self.early.should_stop(metrics) and epoch + 1 >= int(t.min_epochs or 0):
                         log.info(f"Early stopping after epoch {epoch}")
                         break
+                if self.fault_tolerance and epoch + 1 < max_epochs:
+                    self.save_last()  # every epoch end (the last one is saved as finished)
         finally:
             self.stop.restore()
+        if self.fault_tolerance and not t.get("fast_dev_run"):
+            self.finished, self.final_metrics = True, dict(metrics)
+            self.save_last()
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)
         return metrics
@@ -440,14 +461,15 @@ class RawTrainer:
 
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
+        began = time.monotonic()
         if self.is_zero:
             atomic_save(self.state_dict(), self.last_path())
             log.info(f"Saved {self.last_path()} at step {self.global_step}")
-        self.stop.mark_saved(self.global_step)
         self.barrier()
+        self.stop.mark_saved(self.global_step, time.monotonic() - began)
 
-    def save_checkpoints(self, metrics: dict[str, float]) -> None:
-        """End of epoch: last.pt, and best.pt when the monitored metric improved (strictly)."""
+    def save_best(self, metrics: dict[str, float]) -> None:
+        """After validation: best.pt when the monitored metric improved (strictly)."""
         ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
         monitor = ckpt_cfg.get("monitor") or self.cfg.optimized_metric
         mode = ckpt_cfg.get("mode") or self.cfg.optimized_mode
@@ -459,10 +481,6 @@ class RawTrainer:
             self.best = value
         if self.is_zero and ckpt_cfg and improved:
             atomic_save(self.state_dict(), self.checkpoint_dir() / "best.pt")
-        if ckpt_cfg.get("save_last", True) or self.fault_tolerance:
-            self.save_last()
-        else:
-            self.barrier()
 
     def state_dict(self) -> dict[str, Any]:
         from project.resume import rng_state
@@ -478,6 +496,7 @@ class RawTrainer:
             "early_stopping": {"best": self.early.best, "wait": self.early.wait},
             "rng": rng_state(),
             "config": to_plain(self.cfg),
+            "project": project_state(self.identity, self.finished, self.final_metrics),
         }
 
     def load(self, path: str | Path, weights_only: bool = False) -> None:
@@ -582,12 +601,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
     try:
         # An explicit ckpt_path wins; else (auto_resume) the last.pt a previous attempt of
         # this run left: a torchrun restart, a requeued job, the same RUN_ID again.
-        resume = cfg.get("ckpt_path") or (
-            cfg.get("auto_resume") and last_checkpoint(trainer.last_path().parent, LAST)
-        )
-        if resume:
-            trainer.load(resume)
-        if cfg.train:
+        last = trainer.last_path() if trainer.fault_tolerance else None
+        resume = find_resume(to_plain(cfg), last, kind="model")
+        if resume.finished and (earlier := read_metrics(output_dir)):
+            log.info(f"This run already finished ({resume.path}); its results are kept in "
+                     f"{output_dir / METRICS_FILE}")  # fmt: skip
+            return earlier
+        if resume.path:
+            trainer.load(resume.path)
+        if cfg.train and not resume.finished:
             try:
                 with ddp.peer_failures_reported():
                     metrics.update(trainer.fit())
@@ -597,6 +619,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
                     f"the same command again to resume. Exit {EXIT_PREEMPTED}."
                 )
                 sys.exit(EXIT_PREEMPTED)  # the finally below still closes the process group
+        elif resume.finished:  # training finished, its testing did not: test only
+            metrics.update(resume.metrics)
         if cfg.test:
             best = trainer.checkpoint_dir() / "best.pt"
             if cfg.train and cfg.get("test_ckpt") == "best" and best.is_file():
@@ -622,7 +646,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     register_resolvers()
-    run_cli(_hydra_main)
+    with report_exit():  # tells project.launcher (when it started us) how we ended
+        run_cli(_hydra_main)
 
 
 if __name__ == "__main__":

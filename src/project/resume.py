@@ -1,19 +1,27 @@
 """What exact resume needs beyond model and optimizer state, for both trainers: the RNG
-states, atomic checkpoint writes, and where a run's last checkpoint lives.
+states, atomic checkpoint writes, where a run's last checkpoint lives, and the checks that a
+checkpoint may be resumed by this config.
 
-RNG states are stored as tensors and plain Python values so checkpoints still load with
-`torch.load(weights_only=True)`.
+Every checkpoint of either trainer carries a `project` entry: the config keys that define
+what is trained (`training_identity`), whether the run finished, and its final fit metrics.
+A run folder is only continued by the same training (`check_resumable`); a finished run is
+reported, never trained again. RNG states are stored as tensors and plain Python values so
+checkpoints still load with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from project.errors import UserError
 
 # The exit code of a run that stopped on SIGTERM/SIGUSR1 after saving its checkpoint: run the
 # same command again (or let the scheduler requeue it) to resume. 128 + SIGTERM, as a process
@@ -61,7 +69,132 @@ def atomic_save(obj: Any, path: str | Path) -> None:
         raise
 
 
-def last_checkpoint(checkpoint_dir: str | Path, name: str) -> Path | None:
-    """`checkpoint_dir/name` if a previous attempt of this run left it, else None."""
-    path = Path(checkpoint_dir) / name
-    return path if path.is_file() else None
+# What a run trains: a checkpoint is only resumed by a config that agrees on these (dotted
+# prefixes). Where the data lives and how it is loaded may change between attempts.
+IDENTITY = ("seed", "model", "data")
+NOT_IDENTITY = ("model.compile", "data.data_dir", "data.num_workers", "data.pin_memory",
+                "data.persistent_workers")  # fmt: skip
+ARCHITECTURE = "model.net"  # what must match for the weights to load at all
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (lists stay values)."""
+    if not isinstance(tree, Mapping):
+        return {prefix[:-1]: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def training_identity(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The flattened config keys that define what this run trains (see IDENTITY)."""
+    flat = flatten({k: cfg.get(k) for k in IDENTITY})
+    return {
+        k: v for k, v in flat.items()
+        if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)
+    }  # fmt: skip
+
+
+def project_state(
+    identity: dict[str, Any], finished: bool = False, metrics: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """The `project` entry of a checkpoint (plain values: loads with weights_only=True)."""
+    return {"identity": identity, "finished": finished, "metrics": dict(metrics or {})}
+
+
+def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:
+    """torch.load(weights_only=True) of `path`, or a one-line UserError naming the file and the
+    problem. Memory-mapped: checking a large checkpoint does not read all of it."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} {p} does not exist (or is a folder): give a checkpoint file")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:160]
+        raise UserError(
+            f"{what} {p} cannot be read ({reason}); it was left as it is: move it away to "
+            "start over, or pass ckpt_path=<another checkpoint>"
+        ) from err
+    if not isinstance(ckpt, dict):
+        raise UserError(f"{what} {p} is not a checkpoint of this project (no dict inside)")
+    return ckpt
+
+
+def saved_identity(ckpt: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+    """(identity, complete): what the checkpoint says it trained. Checkpoints written before
+    the `project` entry existed still name their network (Lightning's hyper_parameters, the
+    raw trainer's config): then only the architecture can be compared."""
+    if isinstance(ckpt.get("project"), dict) and "identity" in ckpt["project"]:
+        return ckpt["project"]["identity"], True
+    net = (ckpt.get("hyper_parameters") or {}).get("net")
+    net = net or ((ckpt.get("config") or {}).get("model") or {}).get("net")
+    return (flatten({"model": {"net": net}}), False) if net else (None, False)
+
+
+def check_resumable(
+    path: str | Path, ckpt: dict[str, Any], cfg: Mapping[str, Any], explicit: bool
+) -> None:
+    """Refuse (one line, naming the keys) a checkpoint trained with another config.
+
+    Auto-resume (`explicit=False`) continues a run folder only with the same training
+    (IDENTITY); an explicit ckpt_path may change anything but the network architecture.
+    """
+    saved, complete = saved_identity(ckpt)
+    if saved is None:
+        return
+    now = training_identity(cfg)
+    keys = sorted(set(saved) | set(now))
+    if explicit or not complete:
+        keys = [k for k in keys if k == ARCHITECTURE or k.startswith(ARCHITECTURE + ".")]
+    diff = [k for k in keys if saved.get(k) != now.get(k)]
+    if not diff:
+        return
+    shown = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in diff[:4])
+    more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+    if explicit:
+        raise UserError(
+            f"ckpt_path={path} holds another network ({shown}{more}): pass the model "
+            "overrides it was trained with"
+        )
+    raise UserError(
+        f"{path} was trained with another config ({shown}{more}), so this run folder belongs "
+        "to another run: use another RUN_ID for a new run (the folder is left as it is)"
+    )
+
+
+@dataclass
+class Resume:
+    """Where a run continues from: `path` (None: from scratch), and what the checkpoint says."""
+
+    path: Path | None = None
+    explicit: bool = False
+    finished: bool = False  # auto-resume found a run that finished training
+    metrics: dict[str, float] = field(default_factory=dict)  # its final fit metrics
+
+
+def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
+    """An explicit ckpt_path, else (auto_resume) the run folder's `last` checkpoint, checked.
+
+    `kind` is the key every checkpoint of the trainer has ("state_dict": Lightning, "model":
+    the raw trainer): the other trainer's checkpoint is refused with one line.
+    """
+    explicit = cfg.get("ckpt_path")
+    if explicit:
+        path, what = Path(explicit), "ckpt_path"
+    elif cfg.get("auto_resume") and last is not None and last.exists():
+        path, what = last, "the run's last checkpoint"
+    else:
+        return Resume()
+    ckpt = read_checkpoint(path, what)
+    if kind not in ckpt:
+        own = "a .ckpt of train.py" if kind == "state_dict" else "a .pt of the raw trainer"
+        raise UserError(
+            f"{what} {path} is not a checkpoint of this trainer (it has no {kind!r}): give "
+            f"{own}; each trainer resumes from its own"
+        )
+    check_resumable(path, ckpt, cfg, explicit=bool(explicit))
+    state = ckpt.get("project") or {}
+    finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
+    return Resume(path, bool(explicit), finished, state.get("metrics") or {})

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig
 
 from project.config import CONFIG_DIR, is_rank_zero, register_resolvers, to_plain
 from project.console import (
+    METRICS_FILE,
     print_config_tree,
     quiet_lightning,
     read_metrics,
@@ -27,6 +29,10 @@ from project.console import (
     run_cli,
 )
 from project.errors import UserError
+from project.launcher import report_exit
+
+if TYPE_CHECKING:
+    from project.resume import Resume
 
 log = logging.getLogger("project.train")
 
@@ -49,6 +55,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
+    if (cfg.get("test_ckpt") or "current") not in TEST_CKPTS:
+        raise UserError(f"test_ckpt={cfg.test_ckpt!r} is not one of {', '.join(TEST_CKPTS)}")
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
     if hydra_cfg.mode == RunMode.MULTIRUN and topology.world_size > 1:
         if topology.launcher is not None or topology.num_nodes > 1:
@@ -64,14 +72,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
-    from project.callbacks import AtomicCheckpointIO, FaultInjection, StepStatsCallback
+    from project.callbacks import (
+        AtomicCheckpointIO,
+        FaultInjection,
+        FaultTolerance,
+        StepStatsCallback,
+    )
+    from project.resume import find_resume, training_identity
 
     quiet_lightning()
     threads = ddp.configure_threads(topology)
     ddp.check_hardware(cfg.get("strategy"), cfg.trainer)
     strategy = ddp.build_strategy(cfg.get("strategy"), topology)
     if is_rank_zero():
-        print_config_tree(cfg, TREE_ORDER, save_to=output_dir / "config_tree.log")
+        tree_log = output_dir / "config_tree.log"  # a resumed run keeps its first record
+        print_config_tree(cfg, TREE_ORDER, save_to=None if tree_log.exists() else tree_log)
         log.info(
             f"{topology.devices} process(es) per node x {topology.num_nodes} node(s), "
             f"launcher: {topology.launcher.name if topology.launcher else 'none'}, "
@@ -85,10 +100,25 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_all(cfg.get("callbacks"))
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
+    fault_tolerance = next((c for c in callbacks if isinstance(c, FaultTolerance)), None)
+    check_one_last_checkpoint(callbacks, fault_tolerance)
+    if fault_tolerance is not None:
+        fault_tolerance.identity = training_identity(to_plain(cfg))
     if cfg.get("step_stats"):
         callbacks.append(StepStatsCallback(str(output_dir)))
     if (cfg.get("fault_injection") or {}).get("at_step") is not None:
         callbacks.append(FaultInjection(to_plain(cfg.fault_injection)))
+    # Before the trainer exists: a bad checkpoint stops here with one line, nothing written.
+    resume = find_resume(
+        to_plain(cfg), fault_tolerance.path if fault_tolerance else None, kind="state_dict"
+    )
+    if resume.finished and (earlier := read_metrics(output_dir)):
+        log.info(
+            f"This run already finished ({resume.path}); its results are kept in "
+            f"{output_dir / METRICS_FILE}. For more training start a new run from its "
+            f"weights: ckpt_path={resume.path} trainer.max_epochs=<more>"
+        )
+        return earlier
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         strategy=strategy,
@@ -100,43 +130,51 @@ def train(cfg: DictConfig) -> dict[str, float]:
         lg.log_hyperparams(to_plain(cfg))
 
     metrics: dict[str, float] = {}
-    if cfg.train:
-        ckpt_path = resume_checkpoint(cfg, callbacks)
-        log.info(f"Training{f', resuming from {ckpt_path}' if ckpt_path else ''}")
-        with stop_cleanly(trainer):
+    with stop_cleanly(trainer):
+        if cfg.train and not resume.finished:
+            log.info(f"Training{f', resuming from {resume.path}' if resume.path else ''}")
             # weights_only: our checkpoints hold tensors and plain values only.
-            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
-    if cfg.test:
-        ckpt = test_checkpoint(trainer, cfg.get("test_ckpt")) if cfg.train else cfg.get("ckpt_path")
-        log.info(f"Testing {ckpt or 'the current weights'}")
-        trainer.test(model, datamodule=datamodule, ckpt_path=ckpt)
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+            path = str(resume.path) if resume.path else None
+            trainer.fit(model, datamodule=datamodule, ckpt_path=path, weights_only=True)
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        elif resume.finished:  # training finished, its testing did not: test only
+            metrics.update(resume.metrics)
+        if cfg.test:
+            last = fault_tolerance.path if fault_tolerance else None
+            ckpt = test_checkpoint(trainer, cfg, last, resume)
+            log.info(f"Testing {ckpt or 'the current weights'}")
+            trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if trainer.is_global_zero:
         report_metrics(output_dir, metrics)
     return metrics
 
 
-def resume_checkpoint(cfg: DictConfig, callbacks: list[Any]) -> str | None:
-    """An explicit ckpt_path, else (auto_resume) the last.ckpt a previous attempt left."""
-    if cfg.get("ckpt_path"):
-        return cfg.ckpt_path
-    if not cfg.get("auto_resume"):
-        return None
-    from project.callbacks import FaultTolerance
-    from project.resume import last_checkpoint
+def check_one_last_checkpoint(callbacks: list[Any], fault_tolerance: Any) -> None:
+    """A ModelCheckpoint with save_last next to FaultTolerance would write a second last.ckpt
+    into the same folder (Lightning then versions it: last-v1.ckpt, and auto-resume would
+    read a stale one)."""
+    import lightning.pytorch as pl
 
     for cb in callbacks:
-        if isinstance(cb, FaultTolerance) and (
-            found := last_checkpoint(cb.path.parent, cb.path.name)
-        ):
-            return str(found)
-    return None
+        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.save_last and fault_tolerance:
+            raise UserError(
+                "callbacks.model_checkpoint.save_last=true writes a second last.ckpt beside "
+                "the one callbacks.fault_tolerance writes every epoch: leave it false"
+            )
 
 
 @contextlib.contextmanager
 def stop_cleanly(trainer: Any) -> Iterator[None]:
-    """A signal stop -> exit EXIT_PREEMPTED; a dead peer -> one line instead of a hang/wall."""
+    """A signal stop -> exit EXIT_PREEMPTED; a dead peer -> one line instead of a hang/wall.
+
+    Lightning's own launcher starts ranks > 0 as children of rank 0 and kills them only on
+    KeyboardInterrupt: on any other failure of rank 0 they are killed here, so no rank is
+    left behind (e.g. one hung while rank 0 timed out waiting for it).
+    """
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from project import ddp
@@ -152,18 +190,36 @@ def stop_cleanly(trainer: Any) -> Iterator[None]:
                 f"the same command again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
             )
         sys.exit(EXIT_PREEMPTED)
+    except BaseException:
+        launcher = trainer.strategy.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher):
+            launcher.kill(signal.SIGKILL)
+        raise
 
 
-def test_checkpoint(trainer: Any, which: str | None) -> str | None:
-    """The checkpoint `trainer.test` should load after fit: best, last, or None (current)."""
-    ckpt_cb = trainer.checkpoint_callback
-    if which in (None, "current") or ckpt_cb is None:
-        return None
+TEST_CKPTS = ("best", "last", "current")
+
+
+def test_checkpoint(trainer: Any, cfg: DictConfig, last: Path | None, resume: Resume) -> str | None:
+    """The checkpoint `trainer.test` loads (test_ckpt): best, last, or None (current weights).
+
+    After fit the trainer knows its best checkpoint; a finished run that is only tested
+    takes both from its last checkpoint.
+    """
+    which = cfg.get("test_ckpt") or "current"
+    if not cfg.train:
+        return cfg.get("ckpt_path")
+    if resume.finished:  # no fit ran here: the weights come from the run's checkpoints
+        from project.resume import read_checkpoint
+
+        states = read_checkpoint(resume.path).get("callbacks", {}).values()
+        best = next((s["best_model_path"] for s in states if s.get("best_model_path")), None)
+        return best if which == "best" and best else str(resume.path)
     if which == "best":
-        return ckpt_cb.best_model_path or None
-    if which == "last":
-        return ckpt_cb.last_model_path or None
-    raise UserError(f"test_ckpt={which!r} is not one of best, last, current")
+        return getattr(trainer.checkpoint_callback, "best_model_path", None) or None
+    if which == "last" and last is not None and last.is_file():
+        return str(last)
+    return None
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
@@ -175,7 +231,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     register_resolvers()
-    run_cli(_hydra_main)
+    with report_exit():  # tells project.launcher (when it started us) how we ended
+        run_cli(_hydra_main)
 
 
 if __name__ == "__main__":

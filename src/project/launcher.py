@@ -1,0 +1,197 @@
+"""torchrun as the launch scripts run it: `python -m project.launcher <torchrun arguments>`.
+
+It is torch's own launcher (`torch.distributed.run`, the same arguments and behaviour) with
+the failure handling a training job needs, which torchrun lacks:
+
+- A worker that exits 2 (bad input: it printed one line) or 143 (stopped on a signal after
+  saving last.ckpt) is never restarted: `--max-restarts` is for crashes, and a restart would
+  only repeat the error, or train on while the scheduler is taking the machine away.
+- One exit code that means one thing: 0 finished (also when a signal came after training had
+  finished), 143 stopped by a signal (rerun to resume; SLURM requeues on it), 2 bad input,
+  1 anything else, with one line naming the failed rank and how it ended instead of
+  torchrun's 25-40 line error report.
+- SIGUSR1 (SLURM's early warning) is forwarded to the workers like SIGTERM and SIGINT, not
+  fatal to the launcher alone; a repeated signal while the workers are saving does not cut
+  their shutdown short.
+- A rendezvous that does not complete (a node never started, a wrong address) is one line
+  naming the likely causes; the scripts bound its wait with `--rdzv-conf`.
+
+Workers tell the launcher how they ended through `report_exit` (one file per rank in a
+folder the launcher names in the environment): torchrun itself does not collect their exit
+codes when it is the one that was signalled. Only the standard library is imported at the
+top: the workers import this module too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EXIT_DIR_ENV = "PROJECT_EXIT_DIR"
+EXIT_BAD_INPUT, EXIT_PREEMPTED = 2, 143  # as project.console.fail / project.resume
+NO_RESTART = (EXIT_BAD_INPUT, EXIT_PREEMPTED)
+EXTRA_SIGNALS = "SIGUSR1"
+
+log = logging.getLogger("project.launcher")
+
+
+@contextlib.contextmanager
+def report_exit() -> Iterator[None]:
+    """Around a worker's main(): record its exit code for the launcher (when there is one)."""
+    code: int | str | None = 1
+    try:
+        yield
+        code = 0
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        raise
+    finally:
+        folder = os.environ.get(EXIT_DIR_ENV)
+        if folder and os.path.isdir(folder):
+            rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+            Path(folder, f"rank-{rank}").write_text(str(code))
+
+
+def worker_exits(folder: str) -> dict[int, int]:
+    """{global rank: exit code} of the workers on this node that reported one."""
+    codes = {}
+    for path in Path(folder).glob("rank-*"):
+        with contextlib.suppress(ValueError):
+            codes[int(path.name.removeprefix("rank-"))] = int(path.read_text())
+    return codes
+
+
+def _restarts_only_crashes(agent_cls: Any) -> None:
+    """Make the agent give up instead of restarting a group whose failure was bad input or a
+    coordinated stop (the agent restarts while `_remaining_restarts > 0`)."""
+    monitor = agent_cls._monitor_workers
+
+    def _monitor_workers(self: Any, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        codes = {f.exitcode for f in (getattr(result, "failures", None) or {}).values()}
+        if codes & set(NO_RESTART):
+            self._remaining_restarts = 0
+        return result
+
+    agent_cls._monitor_workers = _monitor_workers
+
+
+def _signals_once(mp_api: Any, state: dict[str, Any]) -> None:
+    """torchrun's handler raises on every signal: a second one (Ctrl-C and the scheduler's
+    TERM, or the launch script forwarding what torchrun also got) would interrupt the
+    workers' graceful shutdown, and one after the job ended would be a traceback. Only the
+    first one during the job counts."""
+    raise_signal = mp_api._terminate_process_handler
+
+    def handler(signum: int, frame: Any) -> None:
+        if state["signal"] is not None or state["done"]:
+            return
+        state["signal"] = signum
+        raise_signal(signum, frame)
+
+    mp_api._terminate_process_handler = handler
+
+
+class _QuietExpectedExits(logging.Filter):
+    """torchrun logs an error line for every failed worker; for exit 2 (the worker printed
+    its one-line error) and 143 (a coordinated stop) that line only adds noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f"(exitcode: {code})" in message for code in NO_RESTART)
+
+
+def _failure_line(failures: dict[int, Any]) -> str:
+    rank, failure = min(failures.items())
+    how = (
+        f"was killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}"
+    )
+    return (
+        f"error: rank {rank} on {socket.gethostname()} {how}: its output above says why "
+        f"({len(failures)} rank(s) of this node failed)"
+    )
+
+
+def _signalled(signum: int, codes: dict[int, int]) -> int:
+    import signal
+
+    name = signal.Signals(signum).name
+    if codes and all(c == 0 for c in codes.values()):
+        print(f"launcher: {name} arrived after training had finished: exit 0", file=sys.stderr)
+        return 0
+    if any(c == EXIT_PREEMPTED for c in codes.values()):
+        print(f"launcher: stopped by {name}; the workers saved last.ckpt: run the same "
+              f"command again to resume (exit {EXIT_PREEMPTED})", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"launcher: stopped by {name} before the workers saved a checkpoint: a rerun "
+              f"resumes from the last one written earlier (exit {EXIT_PREEMPTED})",
+              file=sys.stderr)  # fmt: skip
+    return EXIT_PREEMPTED
+
+
+def _rendezvous_line(err: BaseException, args: Any) -> str:
+    where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+    return (
+        f"error: the rendezvous at {where} did not complete ({type(err).__name__}): not every "
+        f"node joined (nnodes={args.nnodes}, this node: node rank {args.node_rank}). Likely "
+        "causes, in order: a node was not started; a wrong MASTER_ADDR / RDZV_ENDPOINT or port; "
+        "a firewall between the nodes; the wrong network interface (GLOO_SOCKET_IFNAME / "
+        "NCCL_SOCKET_IFNAME)"
+    )
+
+
+def launch(argv: list[str]) -> int:
+    """Run torchrun with `argv`; returns the job's exit code (see the module docstring)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(argv)
+    if EXTRA_SIGNALS not in args.signals_to_handle:
+        args.signals_to_handle += f",{EXTRA_SIGNALS}"
+    state: dict[str, Any] = {"signal": None, "done": False}
+    _restarts_only_crashes(LocalElasticAgent)
+    _signals_once(mp_api, state)
+    logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
+    folder = tempfile.mkdtemp(prefix="project-exit-")
+    os.environ[EXIT_DIR_ENV] = folder  # the workers inherit it
+    try:
+        torchrun.run(args)
+        return 0
+    except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if state["signal"] is not None:
+            return _signalled(state["signal"], worker_exits(folder))
+        if codes <= set(NO_RESTART):  # the workers said why themselves
+            return EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_PREEMPTED
+        print(_failure_line(err.failures), file=sys.stderr, flush=True)
+        return 1
+    except mp_api.SignalException as err:
+        return _signalled(int(err.sigval), worker_exits(folder))
+    except Exception as err:
+        if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
+            print(_rendezvous_line(err, args), file=sys.stderr, flush=True)
+            return 1
+        raise
+    finally:
+        state["done"] = True
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    sys.exit(launch(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""last.ckpt is always the newest, a run folder is only continued by the same training, a
+finished run keeps its results, and bad checkpoint input is one line (exit 2) that leaves
+every file as it was. Real runs of both trainers, real checkpoints read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import finish, read_scalars, start
+
+SHORT = ["trainer.max_epochs=3", "test=false"]
+TRAINERS = {"lightning": ("project.train", "last.ckpt"), "raw": ("project.raw_train", "last.pt")}
+
+
+def run(module: str, args: list[str], run_id: str | None = None, **env: str) -> tuple[int, str]:
+    extra = {"RUN_ID": run_id} if run_id else {}
+    return finish(start([sys.executable, "-m", module, *args], **extra, **env), 180)
+
+
+def one_error_line(out: str) -> str:
+    """The output must hold exactly one `error:` line and no traceback; returns it."""
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    return errors[0]
+
+
+def test_last_ckpt_is_the_newest_although_val_loss_got_worse(base_args, log_dir) -> None:
+    """Step-cadence saves before the first epoch end used to make Lightning write every later
+    "last" into last-v1.ckpt; and Lightning 2.6 refreshes save_last only when val/loss improves.
+    A learning rate this high makes val/loss worse in later epochs."""
+    args = [*base_args, "trainer.max_epochs=5", "test=false", "callbacks.early_stopping=null",
+            "callbacks.fault_tolerance.every_n_train_steps=7", "model.optimizer.lr=0.05",
+            "model/scheduler=none"]  # fmt: skip
+    code, out = run("project.train", args, "a")
+    assert code == 0, out[-3000:]
+    run_dir = log_dir / "train/runs/a"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("last*")) == ["last.ckpt"]
+    val = [v for _, v in read_scalars(run_dir / "tensorboard")["val/loss"]]
+    assert len(val) == 5 and val[-1] > min(val), val  # the last epoch was not the best
+    last = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)
+    assert last["global_step"] == 5 * 20  # the final step: 5 epochs of 20 batches
+    assert last["project"]["finished"] is True
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_last_checkpoint_written_every_epoch(base_args, log_dir, trainer) -> None:
+    """Also on epochs without validation (check_val_every_n_epoch=2)."""
+    module, name = TRAINERS[trainer]
+    args = [*base_args, *SHORT, "trainer.check_val_every_n_epoch=2", "fault_injection.at_step=45",
+            "callbacks.early_stopping=null"]  # fmt: skip
+    code, out = run(module, args, "e")
+    assert code == -9, out[-3000:]  # SIGKILLed in epoch 2 (0-based): no chance to save then
+    state = torch.load(log_dir / "train/runs/e/checkpoints" / name, weights_only=True)
+    assert state["global_step"] == 40  # the end of epoch 1, which had no validation
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_rerun_of_a_finished_run_keeps_its_results(base_args, log_dir, trainer) -> None:
+    module, name = TRAINERS[trainer]
+    args = [*base_args, "trainer.max_epochs=2"]
+    assert run(module, args, "done")[0] == 0
+    run_dir = log_dir / "train/runs/done"
+    before = {p: p.read_bytes() for p in (run_dir / "metrics.json", run_dir / "checkpoints" / name)}
+    assert "test/acc" in json.loads(before[run_dir / "metrics.json"])
+    code, out = run(module, args, "done")
+    assert code == 0 and "already finished" in out, out[-3000:]
+    assert "Training" not in out and "Testing" not in out  # nothing trained or tested again
+    for path, content in before.items():
+        assert path.read_bytes() == content, f"{path} changed"
+
+
+def test_finished_run_without_results_is_tested_not_trained(base_args, log_dir) -> None:
+    """Training finished but the process died before testing: the rerun only tests."""
+    args = [*base_args, "trainer.max_epochs=2"]
+    assert run("project.train", args, "t")[0] == 0
+    metrics = json.loads((log_dir / "train/runs/t/metrics.json").read_text())
+    (log_dir / "train/runs/t/metrics.json").unlink()
+    code, out = run("project.train", args, "t")
+    assert code == 0 and "Training" not in out and "Testing" in out, out[-3000:]
+    again = json.loads((log_dir / "train/runs/t/metrics.json").read_text())
+    assert again == pytest.approx(metrics, abs=1e-6)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_run_folder_refuses_another_config_and_keeps_its_record(base_args, log_dir, trainer):
+    """The same RUN_ID with another seed used to train 0 steps and report the first run's
+    results; with another model it crashed loading the checkpoint after overwriting .hydra/."""
+    module, name = TRAINERS[trainer]
+    assert run(module, [*base_args, *SHORT], "same")[0] == 0
+    run_dir = log_dir / "train/runs/same"
+    record = (run_dir / ".hydra/config.yaml").read_bytes()
+    ckpt = (run_dir / "checkpoints" / name).read_bytes()
+    for override, key in (("seed=7", "seed: 42 there, 7 now"), ("model=cnn", "model.net._target_")):
+        code, out = run(module, [*base_args, *SHORT, override], "same")
+        assert code == 2, out[-3000:]
+        line = one_error_line(out)
+        assert key in line and "another RUN_ID" in line, line
+    assert (run_dir / ".hydra/config.yaml").read_bytes() == record  # the first record kept
+    assert (run_dir / "checkpoints" / name).read_bytes() == ckpt
+    assert len(list((run_dir / ".hydra").glob("attempt-*/config.yaml"))) == 2  # tries recorded
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_bad_checkpoint_input_is_one_line(base_args, log_dir, tmp_path, trainer) -> None:
+    module, name = TRAINERS[trainer]
+    # A corrupt last.ckpt in the run folder (auto-resume): named, and left untouched.
+    ckpt_dir = log_dir / "train/runs/bad/checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / name).write_bytes(b"PK\x03\x04 half a checkpoint")
+    code, out = run(module, [*base_args, *SHORT], "bad")
+    assert code == 2 and f"{ckpt_dir / name} cannot be read" in one_error_line(out)
+    assert (ckpt_dir / name).read_bytes() == b"PK\x03\x04 half a checkpoint"
+    # A missing ckpt_path.
+    code, out = run(module, [*base_args, *SHORT, f"ckpt_path={tmp_path}/nope.ckpt"])
+    assert code == 2 and "does not exist" in one_error_line(out)
+    # The other trainer's checkpoint.
+    other = tmp_path / "other"
+    other.write_bytes(b"")
+    torch.save({"state_dict": {}} if trainer == "raw" else {"model": {}}, other)
+    code, out = run(module, [*base_args, *SHORT, f"ckpt_path={other}"])
+    assert code == 2 and "not a checkpoint of this trainer" in one_error_line(out)
+
+
+def test_explicit_checkpoint_of_another_network_is_one_line(base_args, log_dir) -> None:
+    assert run("project.train", [*base_args, *SHORT], "mlp")[0] == 0
+    last = log_dir / "train/runs/mlp/checkpoints/last.ckpt"
+    code, out = run("project.train", [*base_args, *SHORT, "model=cnn", f"ckpt_path={last}"])
+    assert code == 2
+    assert "holds another network (model.net._target_" in one_error_line(out)
+    # Another seed, more epochs: allowed from an explicit checkpoint (it starts a new run).
+    code, out = run("project.train", [*base_args, "trainer.max_epochs=4", "seed=3",
+                                      "test=false", f"ckpt_path={last}"])  # fmt: skip
+    assert code == 0 and "resuming from" in out, out[-3000:]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_log_dir_is_one_line(base_args, log_dir) -> None:
+    log_dir.mkdir()
+    log_dir.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        code, out = run("project.train", [*base_args, *SHORT])
+    finally:
+        log_dir.chmod(stat.S_IRWXU)
+    assert code == 2 and "cannot be written" in one_error_line(out)
+
+
+def test_read_only_log_dir_is_one_line_as_root(base_args, log_dir, tmp_path) -> None:
+    """root ignores permission bits: a log_dir below a regular file cannot be created."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = [*base_args, *SHORT, f"paths.log_dir={blocker}/logs"]
+    code, out = run("project.train", args)
+    assert code == 2 and str(blocker) in one_error_line(out)
+
+
+def test_slurm_runs_in_one_allocation_get_their_own_folders(base_args, log_dir) -> None:
+    """Two runs in one salloc / batch script (same SLURM_JOB_ID) used to share slurm-<job>;
+    the same command again (a requeue) still finds its folder."""
+    slurm = {"SLURM_JOB_ID": "4242"}
+    for seed in ("1", "2", "1"):
+        code, out = run("project.train", [*base_args, "trainer.max_epochs=1", f"seed={seed}"],
+                        **slurm)  # fmt: skip
+        assert code == 0, out[-3000:]
+    folders = sorted(p.name for p in (log_dir / "train/runs").iterdir())
+    assert len(folders) == 2 and all(f.startswith("slurm-4242-") for f in folders), folders
+    assert "already finished" in out  # the third run is the first one again
+
+
+def test_save_last_beside_fault_tolerance_is_refused(base_args) -> None:
+    code, out = run("project.train", [*base_args, "callbacks.model_checkpoint.save_last=true"])
+    assert code == 2 and "writes a second last.ckpt" in one_error_line(out)

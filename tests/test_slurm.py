@@ -1,0 +1,109 @@
+"""launch/slurm.sbatch on a real SLURM: two nodes, submitted from another folder, CPU only,
+requeued after a signal and resumed, two jobs side by side. Uses the SLURM that answers here
+(two nodes or more), else brings up a one-host cluster with tests/slurm_cluster.sh (root,
+Debian packages); skips with the reason where neither works."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUIET, ROOT, child_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def sh(*cmd: str, timeout: float = 60) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    if shutil.which("sinfo") and len(sh("sinfo", "-h", "-N", "-o", "%N").split()) >= 2:
+        return
+    proc = subprocess.run([str(ROOT / "tests" / "slurm_cluster.sh")], capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"no SLURM here: {proc.stderr.strip()[-300:]}")
+
+
+def submit(cwd: Path, args: list[str], *sbatch: str) -> str:
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *sbatch, str(ROOT / "launch" / "slurm.sbatch"), *args],
+        cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+JOB_NAME = re.search(r"--job-name=(\S+)", (ROOT / "launch" / "slurm.sbatch").read_text())[1]
+
+
+def job(job_id: str) -> dict[str, str]:
+    return dict(re.findall(r"(\w+)=(\S+)", sh("scontrol", "show", "job", job_id)))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def finished(job_id: str, timeout: float = 240) -> dict[str, str]:
+    try:
+        wait_for(lambda: job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                                                           "TIMEOUT", "NODE_FAIL"),
+                 timeout, f"job {job_id}")  # fmt: skip
+    except AssertionError:
+        subprocess.run(["scancel", job_id])
+        raise
+    return job(job_id)
+
+
+def run_args(data_dir: Path, log_dir: Path, epochs: int) -> list[str]:
+    return [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", "trainer.accelerator=cpu",
+            f"trainer.max_epochs={epochs}", "callbacks.early_stopping=null", "test=false",
+            *QUIET]  # fmt: skip
+
+
+def signal_after_first_checkpoint(job_id: str, log_dir: Path, *scancel: str) -> None:
+    last = log_dir / "train/runs" / f"torchrun-slurm-{job_id}" / "checkpoints/last.ckpt"
+    wait_for(last.exists, 180, f"the first checkpoint of job {job_id}")
+    subprocess.run(["scancel", *scancel, job_id], check=True, timeout=30)
+
+
+def test_two_nodes_from_another_folder_requeued_on_a_batch_signal(slurm, data_dir, tmp_path):
+    """`--output=logs/slurm/...` failed a fresh clone's first job with no output anywhere, and
+    the recipe ran only from the repo root; a signal to the batch shell alone killed it."""
+    log_dir, submit_dir = tmp_path / "logs", tmp_path / "elsewhere"
+    submit_dir.mkdir()
+    job_id = submit(submit_dir, run_args(data_dir, log_dir, 60), "--nodes=2")
+    signal_after_first_checkpoint(job_id, log_dir, "--batch", "--signal=USR1")
+    state = finished(job_id)
+    output = (submit_dir / f"{JOB_NAME}-{job_id}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", output[-3000:]
+    assert int(state["Restarts"]) >= 1  # requeued by the recipe after the stop (exit 143)
+    assert "SIGUSR1 received" in output and "resuming from" in output
+    assert "1 process(es) per node x 2 node(s)" in output
+    run = log_dir / "train/runs" / f"torchrun-slurm-{job_id}"
+    assert (run / "metrics.json").is_file()
+
+
+def test_two_jobs_side_by_side_and_a_signal_to_every_task(slurm, data_dir, tmp_path) -> None:
+    """Every job used rendezvous port 29400: a second job on a node joined the first one's
+    store. `scancel --signal=TERM` reaches every process of the step: stop, save, requeue."""
+    log_dir = tmp_path / "logs"
+    jobs = [submit(tmp_path, run_args(data_dir, log_dir, epochs)) for epochs in (60, 20)]
+    signal_after_first_checkpoint(jobs[0], log_dir, "--signal=TERM")
+    for job_id in jobs:
+        state = finished(job_id)
+        output = (tmp_path / f"{JOB_NAME}-{job_id}.out").read_text()
+        assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", output[-3000:]
+        assert (log_dir / "train/runs" / f"torchrun-slurm-{job_id}" / "metrics.json").is_file()
+    assert int(job(jobs[0])["Restarts"]) >= 1
