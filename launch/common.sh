@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Shared by the launch scripts (sourced, not run): which Python, which trainer, how to run.
 #   PYTHON   interpreter (default: the repo's .venv if present, else python3)
-#   TRAINER  lightning (default) | raw: the plain PyTorch DDP trainer
+#   TRAINER  lightning (default) | raw: the plain PyTorch DDP trainer | doctor: project.doctor
 #   DRY_RUN  1: print the command and exit without running it
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,7 +12,8 @@ fi
 case "${TRAINER:-lightning}" in
   lightning) MODULE=project.train ;;
   raw) MODULE=project.raw_train ;;
-  *) echo "error: TRAINER=${TRAINER} is not one of: lightning, raw" >&2; exit 2 ;;
+  doctor) MODULE=project.doctor ;;  # check the set-up instead of training (README: Troubleshooting)
+  *) echo "error: TRAINER=${TRAINER} is not one of: lightning, raw, doctor" >&2; exit 2 ;;
 esac
 
 # torchrun shares its rendezvous store with the workers' process group by default; after a

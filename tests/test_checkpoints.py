@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import finish, read_scalars, start
+from tests.conftest import ROOT, finish, read_scalars, start
 
 SHORT = ["trainer.max_epochs=3", "test=false"]
 TRAINERS = {"lightning": ("project.train", "last.ckpt"), "raw": ("project.raw_train", "last.pt")}
@@ -175,3 +175,20 @@ def test_slurm_runs_in_one_allocation_get_their_own_folders(base_args, log_dir) 
 def test_save_last_beside_fault_tolerance_is_refused(base_args) -> None:
     code, out = run("project.train", [*base_args, "callbacks.model_checkpoint.save_last=true"])
     assert code == 2 and "writes a second last.ckpt" in one_error_line(out)
+
+
+@pytest.mark.distributed
+def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None:
+    """With MAX_RESTARTS=3 torchrun used to repeat the same failure 3 more times, each with a
+    traceback and torchrun's own error report."""
+    ckpt_dir = log_dir / "train/runs/bad/checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "last.ckpt").write_bytes(b"not a checkpoint")
+    script = str(ROOT / "launch" / "single_node.sh")
+    proc = start([script, *base_args, *SHORT], NPROC_PER_NODE="2", MAX_RESTARTS="3", RUN_ID="bad")
+    code, out = finish(proc, 120)
+    assert code == 2, out[-3000:]
+    assert out.count("cannot be read") == 2, out[-3000:]  # one line per rank, one attempt
+    for noise in ("Traceback", "ChildFailedError", "exitcode", "restart"):
+        assert noise not in out, out[-3000:]
+    assert (ckpt_dir / "last.ckpt").read_bytes() == b"not a checkpoint"

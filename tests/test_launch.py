@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from project import launcher
 from tests.conftest import ROOT, finish, free_port, read_scalars, run_launch, start
 
 pytestmark = pytest.mark.distributed
@@ -295,7 +296,7 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(
         "import os, sys, time\n"
-        "from project.launcher import report_exit\n"
+        f"from {launcher.__name__} import report_exit\n"
         "with report_exit():\n"
         "    if sys.argv[1] == 'crash' and os.environ['RANK'] == '1':\n"
         "        sys.exit(3)\n"
@@ -318,4 +319,4 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
 
 def test_unknown_trainer_switch() -> None:
     code, out = finish(start([str(ROOT / "launch" / "single_node.sh")], TRAINER="jax"), 30)
-    assert code == 2 and "error: TRAINER=jax is not one of: lightning, raw" in out
+    assert code == 2 and "error: TRAINER=jax is not one of: lightning, raw, doctor" in out

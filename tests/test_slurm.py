@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,10 +33,10 @@ def slurm() -> None:
         pytest.skip(f"no SLURM here: {proc.stderr.strip()[-300:]}")
 
 
-def submit(cwd: Path, args: list[str], *sbatch: str) -> str:
+def submit(cwd: Path, args: list[str], *sbatch: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
         ["sbatch", "--parsable", *sbatch, str(ROOT / "launch" / "slurm.sbatch"), *args],
-        cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=60,
+        cwd=cwd, env=env or child_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
@@ -99,7 +100,13 @@ def test_two_jobs_side_by_side_and_a_signal_to_every_task(slurm, data_dir, tmp_p
     """Every job used rendezvous port 29400: a second job on a node joined the first one's
     store. `scancel --signal=TERM` reaches every process of the step: stop, save, requeue."""
     log_dir = tmp_path / "logs"
-    jobs = [submit(tmp_path, run_args(data_dir, log_dir, epochs)) for epochs in (60, 20)]
+    # The second job: 2 processes on a 1-CPU task, threads left to the recipe (it used to
+    # overwrite NPROC_PER_NODE, and set OMP_NUM_THREADS=0, which crashes every rank).
+    env = {k: v for k, v in child_env(NPROC_PER_NODE="2").items() if k != "OMP_NUM_THREADS"}
+    jobs = [
+        submit(tmp_path, run_args(data_dir, log_dir, 60)),
+        submit(tmp_path, run_args(data_dir, log_dir, 20), "--cpus-per-task=1", env=env),
+    ]
     signal_after_first_checkpoint(jobs[0], log_dir, "--signal=TERM")
     for job_id in jobs:
         state = finished(job_id)
@@ -107,3 +114,15 @@ def test_two_jobs_side_by_side_and_a_signal_to_every_task(slurm, data_dir, tmp_p
         assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", output[-3000:]
         assert (log_dir / "train/runs" / f"torchrun-slurm-{job_id}" / "metrics.json").is_file()
     assert int(job(jobs[0])["Restarts"]) >= 1
+    second = (tmp_path / f"{JOB_NAME}-{jobs[1]}.out").read_text()
+    assert "2 process(es) per node x 1 node(s), launcher: torchrun, 1 thread(s)" in second
+
+
+def test_doctor_under_srun(slurm, tmp_path) -> None:
+    """One task per node, ranks from SLURM's variables, rendezvous at node 0's NodeAddr."""
+    cmd = ["srun", "--nodes=2", "--ntasks=2", sys.executable, "-m", "project.doctor",
+           "--max-mb", "0.1", "--log-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 rank(s) on 2 node(s)" in proc.stdout and "all checks passed" in proc.stdout
