@@ -16,6 +16,8 @@ from tests.conftest import ROOT, finish, read_scalars, start
 
 SHORT = ["trainer.max_epochs=3", "test=false"]
 TRAINERS = {"lightning": ("project.train", "last.ckpt"), "raw": ("project.raw_train", "last.pt")}
+# The raw trainer's twins of these checks run in the slow tier (make test-slow).
+BOTH = ["lightning", pytest.param("raw", marks=pytest.mark.slow)]
 
 
 def run(module: str, args: list[str], run_id: str | None = None, **env: str) -> tuple[int, str]:
@@ -48,7 +50,7 @@ def test_last_ckpt_is_the_newest_although_val_loss_got_worse(base_args, log_dir)
     assert last["project"]["finished"] is True
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("trainer", BOTH)
 def test_last_checkpoint_written_every_epoch(base_args, log_dir, trainer) -> None:
     """Also on epochs without validation (check_val_every_n_epoch=2)."""
     module, name = TRAINERS[trainer]
@@ -60,7 +62,7 @@ def test_last_checkpoint_written_every_epoch(base_args, log_dir, trainer) -> Non
     assert state["global_step"] == 40  # the end of epoch 1, which had no validation
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("trainer", BOTH)
 def test_rerun_of_a_finished_run_keeps_its_results(base_args, log_dir, trainer) -> None:
     module, name = TRAINERS[trainer]
     args = [*base_args, "trainer.max_epochs=2"]
@@ -75,6 +77,7 @@ def test_rerun_of_a_finished_run_keeps_its_results(base_args, log_dir, trainer) 
         assert path.read_bytes() == content, f"{path} changed"
 
 
+@pytest.mark.slow
 def test_finished_run_without_results_is_tested_not_trained(base_args, log_dir) -> None:
     """Training finished but the process died before testing: the rerun only tests."""
     args = [*base_args, "trainer.max_epochs=2"]
@@ -87,7 +90,7 @@ def test_finished_run_without_results_is_tested_not_trained(base_args, log_dir) 
     assert again == pytest.approx(metrics, abs=1e-6)
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("trainer", BOTH)
 def test_run_folder_refuses_another_config_and_keeps_its_record(base_args, log_dir, trainer):
     """The same RUN_ID with another seed used to train 0 steps and report the first run's
     results; with another model it crashed loading the checkpoint after overwriting .hydra/."""
@@ -106,7 +109,7 @@ def test_run_folder_refuses_another_config_and_keeps_its_record(base_args, log_d
     assert len(list((run_dir / ".hydra").glob("attempt-*/config.yaml"))) == 2  # tries recorded
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("trainer", BOTH)
 def test_bad_checkpoint_input_is_one_line(base_args, log_dir, tmp_path, trainer) -> None:
     module, name = TRAINERS[trainer]
     # A corrupt last.ckpt in the run folder (auto-resume): named, and left untouched.
@@ -127,6 +130,7 @@ def test_bad_checkpoint_input_is_one_line(base_args, log_dir, tmp_path, trainer)
     assert code == 2 and "not a checkpoint of this trainer" in one_error_line(out)
 
 
+@pytest.mark.slow
 def test_explicit_checkpoint_of_another_network_is_one_line(base_args, log_dir) -> None:
     assert run("project.train", [*base_args, *SHORT], "mlp")[0] == 0
     last = log_dir / "train/runs/mlp/checkpoints/last.ckpt"
@@ -159,6 +163,7 @@ def test_read_only_log_dir_is_one_line_as_root(base_args, log_dir, tmp_path) -> 
     assert code == 2 and str(blocker) in one_error_line(out)
 
 
+@pytest.mark.slow
 def test_slurm_runs_in_one_allocation_get_their_own_folders(base_args, log_dir) -> None:
     """Two runs in one salloc / batch script (same SLURM_JOB_ID) used to share slurm-<job>;
     the same command again (a requeue) still finds its folder."""
@@ -177,6 +182,7 @@ def test_save_last_beside_fault_tolerance_is_refused(base_args) -> None:
     assert code == 2 and "writes a second last.ckpt" in one_error_line(out)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None:
     """With MAX_RESTARTS=3 torchrun used to repeat the same failure 3 more times, each with a

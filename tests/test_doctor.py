@@ -48,6 +48,7 @@ def test_own_rendezvous_two_processes(log_dir) -> None:
     assert "dp group [0, 1]" in doc["collectives"]
 
 
+@pytest.mark.slow
 def test_under_torchrun_with_tensor_parallel_groups(log_dir) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*torchrun, "--nproc-per-node=2", "-m", "project.doctor", "--tp", "2",
@@ -60,6 +61,7 @@ def test_under_torchrun_with_tensor_parallel_groups(log_dir) -> None:
     assert doc["collectives"]["dp group [0]"][0] == "ok"
 
 
+@pytest.mark.slow
 def test_two_nodes_through_the_launch_script(log_dir) -> None:
     script = str(ROOT / "launch" / "multinode.sh")
     env = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port()),
@@ -112,6 +114,7 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
     assert len(out.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_interface", [False, True], ids=["right", "wrong-interface"])
 def test_two_hosts_in_network_namespaces(netns_pair, log_dir, wrong_interface) -> None:  # noqa: F811
     ns, dev, addrs = netns_pair

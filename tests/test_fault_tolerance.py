@@ -46,7 +46,7 @@ def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[in
 
 
 @pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
-@pytest.mark.parametrize("accumulate", [1, 4])
+@pytest.mark.parametrize("accumulate", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
     base_args, log_dir, module, accumulate
 ) -> None:
@@ -199,7 +199,11 @@ def sigterm_mid_run(
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("target", "signum"),
-    [("group", signal.SIGINT), ("launcher", signal.SIGUSR1), ("launcher", signal.SIGTERM)],
+    [
+        ("group", signal.SIGINT),
+        pytest.param("launcher", signal.SIGUSR1, marks=pytest.mark.slow),
+        pytest.param("launcher", signal.SIGTERM, marks=pytest.mark.slow),
+    ],
     ids=["ctrl-c", "usr1-to-torchrun", "term-to-torchrun"],
 )
 def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> None:
@@ -218,6 +222,7 @@ def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> N
     assert "the workers saved last.ckpt" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_hung_rank_under_lightning_launcher_leaves_no_process(base_args) -> None:
     """Rank 1 stops responding; rank 0 fails on the collective timeout, and rank 1 (its child)
@@ -231,6 +236,7 @@ def test_hung_rank_under_lightning_launcher_leaves_no_process(base_args) -> None
     assert time.monotonic() - began < 90
 
 
+@pytest.mark.slow
 def test_stop_check_adapts_to_the_stop_budget(base_args, log_dir) -> None:
     """With slow steps (here: a budget far below one step) the ranks check every window, so a
     stop fits the scheduler's grace time, and they say that even one step does not fit."""
