@@ -32,8 +32,8 @@ train: $(STAMP)
 eval: $(STAMP)
 	$(PY) eval.py $(ARGS)
 
-# The default suite: everything but the tests marked slow (about 5.5 minutes on 2 cores);
-# test-slow: the rest (the generated project's own suite, two-node parity; ~3 minutes).
+# The default suite: everything but the tests marked slow (README: Development);
+# test-slow: the rest (the generated project's own suite, two-node parity, a real SLURM).
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 

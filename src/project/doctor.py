@@ -513,112 +513,95 @@ def missing_report(arrived: dict[int, Any], world: int, local_world: int) -> str
 
 
 # --- one rank ---------------------------------------------------------------------------------
+class Rank:
+    """Who this process is, from the launcher's environment (torchrun, srun, our own spawn)."""
+
+    def __init__(self, env: os._Environ[str] | dict[str, str], backend: str) -> None:
+        import torch
+
+        self.rank, self.world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        self.local_rank = int(env.get("LOCAL_RANK", 0))
+        self.local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
+        self.node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", 0)))
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl" and not torch.cuda.is_available():
+            die("--backend nccl needs CUDA GPUs; use gloo on CPU")
+        self.backend = backend
+        self.device = torch.device(f"cuda:{self.local_rank}" if backend == "nccl" else "cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+
+    def doc(self, ranks: dict[int, Any] | None, problems: list[str]) -> dict[str, Any]:
+        """The skeleton of doctor.json."""
+        return {"world_size": self.world, "nnodes": self.world // self.local_world,
+                "backend": self.backend, "ranks": ranks or {}, "problems": problems,
+                "collectives": {}, "bandwidth": [], "notes": [], "nccl_transports": []}  # fmt: skip
+
+
+def gate(me: Rank, rdzv: Rendezvous, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Check in; go on only when every rank arrived and no host names a missing interface
+    (gloo would hang or fail building the group). Returns every rank's report (rank 0)."""
+    report = self_report(me.rank, me.local_rank, me.local_world, me.node_rank, me.backend)
+    arrived = rdzv.check_in(report) or {}
+    if me.rank == 0:
+        if len(arrived) < me.world:
+            reason = missing_report(arrived, me.world, me.local_world)
+            rdzv.verdict(f"stop: not every rank arrived within {args.timeout:g} s: {reason}")
+        else:
+            interfaces_wrong = [p for p in rank_table_problems(arrived) if "interface" in p]
+            rdzv.verdict("stop: " + "; ".join(interfaces_wrong) if interfaces_wrong else "go")
+    verdict = rdzv.verdict()
+    if verdict == "go":
+        return arrived
+    reason = verdict.removeprefix("stop: ")
+    if me.rank == 0:
+        die(f"{reason} ({write_doc(me.doc(arrived, [reason]), args.log_dir)})", code=1)
+    die(f"rank {me.rank}: rank 0 stopped the check: {reason}", code=1)
+
+
 def worker(args: argparse.Namespace) -> int:
-    """The checks in one process; the launcher's environment says who it is."""
-    import torch
+    """The checks in one process; rank 0 reports, the others exit with its verdict."""
     import torch.distributed as dist
 
     env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
-    node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", rank // local_world)))
-    if world % args.tp:
-        die(f"--tp {args.tp} does not divide the world size {world}")
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        die("--backend nccl needs CUDA GPUs; use gloo on CPU")
-    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    run_dir = Path(args.log_dir) / "doctor" / "runs" / run_id()
-    debug_file = run_dir / "nccl.%h.%p.log"
-    if backend == "nccl" and "NCCL_DEBUG" not in env:  # to read the transports NCCL picks
-        run_dir.mkdir(parents=True, exist_ok=True)
+    me = Rank(env, args.backend)
+    if me.world % args.tp:
+        die(f"--tp {args.tp} does not divide the world size {me.world}")
+    debug_file = Path(args.log_dir) / "doctor" / "runs" / run_id() / "nccl.%h.%p.log"
+    if me.backend == "nccl" and "NCCL_DEBUG" not in env:  # to read the transports NCCL picks
+        debug_file.parent.mkdir(parents=True, exist_ok=True)
         env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_FILE=str(debug_file))
-    elastic = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun shares its store
-    prefix = (
-        f"doctor/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    )
-    rdzv = Rendezvous(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        rank,
-        world,
-        args.timeout,
-        host_store=not elastic,
-        prefix=prefix,
-    )
-    arrived = rdzv.check_in(self_report(rank, local_rank, local_world, node_rank, backend))
-    if rank == 0:
-        assert arrived is not None
-        if len(arrived) < world:
-            reason = missing_report(arrived, world, local_world)
-            rdzv.verdict(reason)
-            doc = {
-                "world_size": world,
-                "nnodes": world // local_world,
-                "backend": backend,
-                "ranks": arrived,
-                "problems": [reason],
-            }
-            path = write_doc(doc, args.log_dir)
-            die(f"not every rank arrived within {args.timeout:g} s: {reason} ({path})", code=1)
-        early = rank_table_problems(arrived)
-        rdzv.verdict("stop: " + "; ".join(early) if any("interface" in p for p in early) else "go")
-    verdict = rdzv.verdict()
-    if verdict != "go":
-        if rank == 0:
-            doc = {
-                "world_size": world,
-                "nnodes": world // local_world,
-                "backend": backend,
-                "ranks": arrived,
-                "problems": [verdict],
-            }
-            die(f"{verdict.removeprefix('stop: ')} ({write_doc(doc, args.log_dir)})", code=1)
-        die(f"rank {rank}: rank 0 stopped the check: {verdict.removeprefix('stop: ')}", code=1)
-
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore("pg", rdzv.store),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=args.timeout),
-    )
+    # Under torchrun MASTER_PORT may be the agent's own store: join it, in a key space of
+    # this attempt. Otherwise rank 0 hosts the store.
+    attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    rdzv = Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), me.rank, me.world,
+                      args.timeout, host_store=env.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                      prefix=f"doctor/{attempt}")  # fmt: skip
+    arrived = gate(me, rdzv, args)
+    dist.init_process_group(me.backend, store=dist.PrefixStore("pg", rdzv.store), rank=me.rank,
+                            world_size=me.world,
+                            timeout=datetime.timedelta(seconds=args.timeout))  # fmt: skip
     try:
-        results = collectives(rank, world, device)
-        results.update(subgroups(rank, world, args.tp, device))
-        broken = any(s == "failed" for s, _, _ in results.values())
-        rows = [] if broken else bandwidth(world, args.max_mb, device)
+        results = collectives(me.rank, me.world, me.device)
+        results.update(subgroups(me.rank, me.world, args.tp, me.device))
+        failed = any(status == "failed" for status, _, _ in results.values())
+        rows = [] if failed else bandwidth(me.world, args.max_mb, me.device)
         rdzv.post("result", {k: list(v) for k, v in results.items()})
-        if rank != 0:  # rank 0 reports; the others exit with its verdict
+        if me.rank != 0:
             rdzv.store.wait(["final"], datetime.timedelta(seconds=args.timeout + 60))
             return 0 if rdzv.store.get("final") == b"ok" else 1
-        every = rdzv.collect("result")
         problems = rank_table_problems(arrived)
-        for r, res in sorted(every.items()):
-            problems += [
-                f"{name} on rank {r}: {status} {detail}".strip()
-                for name, (status, _, detail) in res.items()
-                if status in ("failed", "wrong")
-            ]
-        doc = {
-            "world_size": world,
-            "nnodes": world // local_world,
-            "backend": backend,
-            "ranks": arrived,
-            "collectives": {k: tuple(v) for k, v in results.items()},
-            "bandwidth": rows,
-            "notes": network_notes(arrived, world // local_world),
-            "nccl_transports": nccl_transports(debug_file) if backend == "nccl" else [],
-            "problems": problems,
-            "args": vars(args),
-        }
-        rdzv.store.set("final", "ok" if not problems else "problems")
-        path = write_doc(doc, args.log_dir)
-        print(render(doc) + f"\nreport: {path}", flush=True)
+        for r, res in sorted(rdzv.collect("result").items()):
+            problems += [f"{name} on rank {r}: {status} {detail}".strip()
+                         for name, (status, _, detail) in res.items()
+                         if status in ("failed", "wrong")]  # fmt: skip
+        doc = me.doc(arrived, problems)
+        doc.update(collectives=results, bandwidth=rows, args=vars(args),
+                   notes=network_notes(arrived, doc["nnodes"]),
+                   nccl_transports=nccl_transports(debug_file))  # fmt: skip
+        rdzv.store.set("final", "problems" if problems else "ok")
+        print(f"{render(doc)}\nreport: {write_doc(doc, args.log_dir)}", flush=True)
         return 1 if problems else 0
     finally:
         time.sleep(0.1)  # let gloo's worker threads finish (see raw_train.RawTrainer.close)
