@@ -194,7 +194,9 @@ def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None
     proc = start([script, *base_args, *SHORT], NPROC_PER_NODE="2", MAX_RESTARTS="3", RUN_ID="bad")
     code, out = finish(proc, 120)
     assert code == 2, out[-3000:]
-    assert out.count("cannot be read") == 2, out[-3000:]  # one line per rank, one attempt
-    for noise in ("Traceback", "ChildFailedError", "exitcode", "restart"):
+    # One attempt: each rank prints its line, unless torchrun stopped it first (the first
+    # failure makes the agent stop the others); never a second round.
+    assert 1 <= out.count("cannot be read") <= 2, out[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "exitcode", "will restart", "killed by"):
         assert noise not in out, out[-3000:]
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"not a checkpoint"

@@ -175,8 +175,10 @@ def test_topology_mismatch_stops_every_rank(base_args, override: str, message: s
     proc = start([str(ROOT / "launch" / "single_node.sh"), *base_args, override],
                  NPROC_PER_NODE="2")  # fmt: skip
     code, out = finish(proc, timeout=60)  # also asserts no process is left behind
-    assert code != 0
-    assert out.count(message) == 2, out[-3000:]  # every rank says it
+    # Every rank checks; the first one to fail makes torchrun stop the other, which may not
+    # have printed yet: one line is guaranteed, and the job's exit code says "bad input".
+    assert code == 2
+    assert 1 <= out.count(message) <= 2, out[-3000:]
     assert time.monotonic() - began < 30
 
 

@@ -110,7 +110,7 @@ class _QuietExpectedExits(logging.Filter):
 
 
 def _failure_line(failures: dict[int, Any]) -> str:
-    rank, failure = min(failures.items())
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
     how = (
         f"was killed by {failure.signal_name()}"
         if failure.exitcode < 0
@@ -170,11 +170,12 @@ def launch(argv: list[str]) -> int:
         torchrun.run(args)
         return 0
     except ChildFailedError as err:
-        codes = {f.exitcode for f in err.failures.values()}
         if state["signal"] is not None:
             return _signalled(state["signal"], worker_exits(folder))
-        if codes <= set(NO_RESTART):  # the workers said why themselves
-            return EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_PREEMPTED
+        # The first failure is the cause; the agent then stops the other workers (SIGTERM).
+        first = min(err.failures.values(), key=lambda f: f.timestamp)
+        if first.exitcode in NO_RESTART:  # the workers said why themselves
+            return first.exitcode
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
         return 1
     except mp_api.SignalException as err:

@@ -110,9 +110,17 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any
     if not p.is_file():
         raise UserError(f"{what} {p} does not exist (or is a folder): give a checkpoint file")
     try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # not a zip file: mmap is refused, so load it plainly
+            if "mmap" not in str(err):
+                raise
+            ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:
+        with open(p, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:160]
+        reason = reason if zipped else "not a torch.save file: no zip archive inside"
         raise UserError(
             f"{what} {p} cannot be read ({reason}); it was left as it is: move it away to "
             "start over, or pass ckpt_path=<another checkpoint>"
