@@ -177,7 +177,6 @@ class Resume:
     """Where a run continues from: `path` (None: from scratch), and what the checkpoint says."""
 
     path: Path | None = None
-    explicit: bool = False
     finished: bool = False  # auto-resume found a run that finished training
     metrics: dict[str, float] = field(default_factory=dict)  # its final fit metrics
 
@@ -205,4 +204,4 @@ def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
     check_resumable(path, ckpt, cfg, explicit=bool(explicit))
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
-    return Resume(path, bool(explicit), finished, state.get("metrics") or {})
+    return Resume(path, finished, state.get("metrics") or {})
