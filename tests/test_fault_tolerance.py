@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.resume import EXIT_PREEMPTED
+from project.launcher import EXIT_PREEMPTED
 from tests.conftest import ROOT, finish, start
 
 # The CNN has dropout, so exact resume also needs the RNG states back.

@@ -30,7 +30,7 @@ class FaultTolerance(pl.Callback):
       optimizer step (project.signals). This replaces Lightning's per-step blocking broadcast
       (`_broadcast_sigterm_tensor`) and its signal handler.
     - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); train.py
-      exits with project.resume.EXIT_PREEMPTED.
+      exits with project.launcher.EXIT_PREEMPTED.
     - The end-of-epoch checkpoint is written before the first batch of the next epoch (a
       mid-epoch checkpoint with nothing of that epoch done: the restart point Lightning
       resumes exactly), and the last one when training ends, marked finished. Lightning's

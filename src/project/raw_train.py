@@ -36,9 +36,8 @@ from project.console import (
     run_cli,
 )
 from project.errors import UserError
-from project.launcher import report_exit
+from project.launcher import EXIT_PREEMPTED, report_exit
 from project.resume import (
-    EXIT_PREEMPTED,
     atomic_save,
     find_resume,
     project_state,

@@ -23,11 +23,6 @@ import torch
 
 from project.errors import UserError
 
-# The exit code of a run that stopped on SIGTERM/SIGUSR1 after saving its checkpoint: run the
-# same command again (or let the scheduler requeue it) to resume. 128 + SIGTERM, as a process
-# killed by SIGTERM would report, so schedulers treat it as "terminated", not "failed".
-EXIT_PREEMPTED = 143
-
 
 def rng_state() -> dict[str, Any]:
     """The python, numpy and torch (CPU and CUDA) RNG states."""

@@ -178,7 +178,7 @@ def stop_cleanly(trainer: Any) -> Iterator[None]:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from project import ddp
-    from project.resume import EXIT_PREEMPTED
+    from project.launcher import EXIT_PREEMPTED
 
     try:
         with ddp.peer_failures_reported():
