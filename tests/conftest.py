@@ -52,7 +52,7 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One materialised dataset for the whole session (saves ~1 s of sklearn per run)."""
-    from project.digits import materialise
+    from project.data.digits import materialise
 
     return materialise(tmp_path_factory.mktemp("data") / "digits")
 
@@ -76,7 +76,7 @@ def compose_train(data_dir: Path, tmp_path: Path) -> Iterator:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from project.config import register_resolvers
+    from project.engine.config import register_resolvers
 
     register_resolvers()
 

@@ -36,7 +36,7 @@ def test_config_only_commands_import_no_torch(args: list[str]) -> None:
 def test_cfg_job_shows_composed_config() -> None:
     proc = run_script("train.py", ["--cfg", "job", "model=cnn", "trainer.max_epochs=3"])
     assert proc.returncode == 0
-    assert "project.nets.CNN" in proc.stdout and "max_epochs: 3" in proc.stdout
+    assert "project.models.cnn.CNN" in proc.stdout and "max_epochs: 3" in proc.stdout
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:

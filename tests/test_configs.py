@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from project import ddp
+from project.engine import ddp
 from project.train import instantiate_all
 from tests.conftest import CONFIG_DIR
 
@@ -47,12 +47,16 @@ def test_data_options(compose_train, option: str) -> None:
 @pytest.mark.parametrize("optimizer", options("model/optimizer"))
 @pytest.mark.parametrize("scheduler", options("model/scheduler"))
 def test_model_options(compose_train, option: str, optimizer: str, scheduler: str) -> None:
+    data = ["data=chars"] if option == "gpt" else []  # the GPT's context is the data's window
     cfg = compose_train(
-        [f"model={option}", f"model/optimizer={optimizer}", f"model/scheduler={scheduler}"]
+        [f"model={option}", f"model/optimizer={optimizer}", f"model/scheduler={scheduler}", *data]
     )
     model = instantiate(cfg.model)
-    logits = model(torch.rand(4, 64))
-    assert logits.shape == (4, cfg.model.num_classes)
+    if option == "gpt":
+        tokens = torch.randint(0, cfg.model.net.vocab_size, (4, 8))
+        assert model(tokens).shape == (4, 8, cfg.model.net.vocab_size)
+    else:
+        assert model(torch.rand(4, 64)).shape == (4, cfg.model.task.num_classes)
     assert model.configure_optimizers() is not None
 
 

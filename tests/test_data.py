@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from project import digits
+from project.data import digits
 
 
 def test_materialise_writes_once_and_atomically(tmp_path: Path, monkeypatch) -> None:

@@ -26,7 +26,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     if (ckpt_dir / "last.pt").is_file():  # the raw trainer
         return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
     state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
-    return {k.removeprefix("net."): v for k, v in state.items()}
+    return {k.removeprefix("task."): v for k, v in state.items()}
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -143,7 +143,7 @@ def test_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path) -> N
     path = tmp_path / "last.ckpt"
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from project.callbacks import AtomicCheckpointIO
+        from project.engine.callbacks import AtomicCheckpointIO
         io = AtomicCheckpointIO()
         io.save_checkpoint({{"step": 1, "w": torch.ones(1000)}}, {str(path)!r})
         real_save = torch.save

@@ -80,9 +80,12 @@ def test_generated_layout_and_names(generated: Path) -> None:
     assert "[project]" in pyproject and "[project.scripts]" in pyproject  # tables untouched
     assert 'name = "my-net"' in pyproject and 'my-net-train = "mynet.train:main"' in pyproject
     assert 'known-first-party = ["mynet"]' in pyproject and "Ada L" in pyproject
-    assert "_target_: mynet.module.Classifier" in (generated / "configs/model/mlp.yaml").read_text()
+    assert (
+        "_target_: mynet.engine.module.TaskModule"
+        in (generated / "configs/model/mlp.yaml").read_text()
+    )
     assert "MODULE=mynet.train" in (generated / "launch/common.sh").read_text()
-    assert "from mynet.digits import" in (generated / "tests/conftest.py").read_text()
+    assert "from mynet.data.digits import" in (generated / "tests/conftest.py").read_text()
     readme = (generated / "README.md").read_text()
     assert readme.startswith("# my-net\n\nDigits, bigger")
     assert "make test" in readme and "a new project" not in readme.split("\n")[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from project.raw_train import classify
+from project.engine.raw_keys import classify
 from tests.conftest import ROOT, finish, free_port, run_script, start
 from tests.test_configs import options
 
@@ -26,8 +26,8 @@ def leaf_keys(node, prefix: str = "") -> list[str]:
 
 
 def all_option_overrides() -> list[list[str]]:
-    groups = ["data", "model", "model/optimizer", "model/scheduler", "trainer", "strategy",
-              "callbacks", "logger", "experiment", "debug"]  # fmt: skip
+    groups = ["data", "model", "model/task", "model/optimizer", "model/scheduler", "trainer",
+              "strategy", "callbacks", "logger", "experiment", "debug"]  # fmt: skip
     return [[]] + [[f"{g}={o}"] for g in groups for o in options(g)]
 
 
@@ -43,9 +43,37 @@ def test_every_config_key_is_classified_by_the_raw_trainer(compose_train) -> Non
 
 def test_classification_catches_a_new_key() -> None:
     assert classify("trainer.max_epochs") == "consumed"
-    assert classify("model.net.hidden") == "consumed"
+    assert classify("model.net.hidden") == "consumed"  # handed whole to the shared builder
     assert classify("callbacks.progress_bar.refresh_rate") == "presentation"
-    assert classify("trainer.some_new_switch") is None
+    # Where users change things: a new adapter argument or Lightning option is unclassified...
+    for key in (
+        "trainer.some_new_switch",
+        "model.label_smoothing",
+        "data.shuffle_buffer",
+        "callbacks.early_stopping.check_finite",
+        "callbacks.fault_tolerance.new",
+    ):
+        assert classify(key) is None, key
+    # ... but a new callback or logger only watches the run.
+    assert classify("callbacks.my_callback.every_n") == "presentation"
+    assert classify("logger.mlflow.tracking_uri") == "presentation"
+
+
+@pytest.mark.parametrize(
+    "group, adapter",
+    [("model", "project.engine.module.TaskModule"),
+     ("data", "project.engine.datamodule.DataModule")],
+)  # fmt: skip
+def test_every_adapter_argument_is_classified(group: str, adapter: str) -> None:
+    """An argument added to the Lightning adapters (even one no config sets yet) must be
+    implemented by the raw trainer or declared as not changing training."""
+    import importlib
+    import inspect
+
+    module, name = adapter.rsplit(".", 1)
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    unknown = [p for p in params if classify(f"{group}.{p}") is None]
+    assert not unknown, f"{adapter} arguments the raw trainer does not classify: {unknown}"
 
 
 def run_trainer(module: str, args: list[str], run_dir: Path, nproc: int = 1) -> dict:
@@ -66,7 +94,7 @@ def run_trainer(module: str, args: list[str], run_dir: Path, nproc: int = 1) -> 
 def final_weights(run_dir: Path, trainer: str) -> dict[str, torch.Tensor]:
     if trainer == "lightning":
         state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-        return {k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}
+        return {k.removeprefix("task."): v for k, v in state.items() if k.startswith("task.")}
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 

@@ -59,7 +59,7 @@ def test_run_folder_layout(default_run: dict) -> None:
 def test_checkpoints_load_with_weights_only(default_run: dict) -> None:
     for ckpt in (default_run["run_dir"] / "checkpoints").glob("*.ckpt"):
         loaded = torch.load(ckpt, map_location="cpu", weights_only=True)
-        assert loaded["hyper_parameters"]["net"]["_target_"] == "project.nets.MLP"
+        assert loaded["hyper_parameters"]["net"]["_target_"] == "project.models.mlp.MLP"
 
 
 def test_eval_reproduces_test_metrics(default_run: dict, tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from project.config import CONFIG_DIR, register_resolvers, run_id
-from project.console import fail, read_metrics
-from project.step_stats import STATS_FILE
+from project.bench.step_stats import STATS_FILE
+from project.engine.config import CONFIG_DIR, register_resolvers, run_id
+from project.engine.console import fail, read_metrics
 
 TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
 

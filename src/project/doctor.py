@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from project.config import ROOT_DIR, run_id
+from project.engine.config import ROOT_DIR, run_id
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCH_NCCL_", "MASTER_", "CUDA_VISIBLE")
 CAUSES = (

@@ -1,4 +1,9 @@
-"""Evaluation entry point: test a saved checkpoint on the test split it was trained with."""
+"""Evaluation entry point: test a saved checkpoint on the test split it was trained with.
+
+The module (task + network) and the data split are rebuilt from the checkpoint's own
+hyperparameters, whatever task it trained; the config only says where the data lives and how
+to load it (`paths.data_dir`, or a `data=` option of the same dataset for loader settings).
+"""
 
 from __future__ import annotations
 
@@ -8,46 +13,76 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from project.config import CONFIG_DIR, register_resolvers
-from project.console import report_user_errors, run_cli
-from project.errors import UserError
+from project.engine.config import CONFIG_DIR, register_resolvers, to_plain
+from project.engine.console import report_user_errors, run_cli
+from project.engine.errors import UserError
 
 log = logging.getLogger("project.eval")
+
+LOADING_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
 
 
 def load_checkpoint(path: str | None) -> dict[str, Any]:
     """Load `path` with weights_only=True, or raise a one-line UserError saying what is wrong."""
-    from project.resume import read_checkpoint
+    from project.engine.resume import read_checkpoint
 
     if path is None:
         raise UserError("ckpt_path is required: python eval.py ckpt_path=/path/to/last.ckpt")
     ckpt = read_checkpoint(path, "ckpt_path")
-    if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
-        raise UserError(f"ckpt_path={path} is not a Lightning checkpoint of this project")
+    hparams = ckpt.get("hyper_parameters") or {}
+    if "state_dict" not in ckpt or "task" not in hparams or "net" not in hparams:
+        raise UserError(
+            f"ckpt_path={path} is not a Lightning checkpoint of this project's TaskModule "
+            "(no task/net hyperparameters): give a .ckpt written by train.py"
+        )
+    if "dataset" not in (ckpt.get("datamodule_hyper_parameters") or {}):
+        raise UserError(
+            f"ckpt_path={path} does not record its dataset (trained with a datamodule of your "
+            "own?): evaluate it with train.py train=false ckpt_path=... and its data config"
+        )
     return ckpt
 
 
+def data_config(ckpt: dict[str, Any], cfg: DictConfig) -> dict[str, Any]:
+    """The checkpoint's datamodule arguments; loader settings and the data location from cfg.
+
+    A `data=` option must read the same dataset the checkpoint's task was trained on.
+    """
+    saved = dict(ckpt["datamodule_hyper_parameters"])
+    dataset = dict(saved["dataset"])
+    given = to_plain(cfg.get("data")) or {}
+    if given:
+        wanted = (given.get("dataset") or {}).get("_target_", given.get("_target_"))
+        if wanted != dataset["_target_"]:
+            task = ckpt["hyper_parameters"]["task"]["_target_"]
+            raise UserError(
+                f"the data override reads {wanted} but the checkpoint's task ({task}) was trained "
+                f"on {dataset['_target_']}: drop the data= override (the checkpoint's own data "
+                "is used) or pick a checkpoint of that task"
+            )
+        saved.update({k: given[k] for k in LOADING_KEYS if k in given})
+        dataset.update({k: v for k, v in given["dataset"].items() if k == "data_dir"})
+    elif "data_dir" in dataset:
+        dataset["data_dir"] = cfg.paths.data_dir  # where this machine keeps its data
+    return {**saved, "dataset": dataset}
+
+
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    """Rebuild the model and the data split from the checkpoint, then run trainer.test."""
+    """Rebuild the module and the data split from the checkpoint, then run trainer.test."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
-    ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)
-
-    from project.datamodule import DigitsDataModule
-    from project.module import Classifier
+    from project.engine import ddp
+    from project.engine.datamodule import DataModule, shard_datamodule
+    from project.engine.module import TaskModule
     from project.train import instantiate_all
 
-    model = Classifier(**ckpt["hyper_parameters"])
+    ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
+    ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)
+    datamodule = DataModule(**data_config(ckpt, cfg))
+    shard_datamodule(datamodule, cfg.seed)
+    model = TaskModule(**ckpt["hyper_parameters"])
     model.load_state_dict(ckpt["state_dict"])
-    # The split (seed, fractions) is the checkpoint's; location and loading come from cfg.data.
-    saved = ckpt.get("datamodule_hyper_parameters", {})
-    data_kwargs = {k: saved[k] for k in ("seed", "val_fraction", "test_fraction") if k in saved}
-    datamodule: DigitsDataModule = instantiate(cfg.data, **data_kwargs)
-
-    from project import ddp
-
     topology = ddp.resolve_topology(cfg.trainer)
     loggers = instantiate_all(cfg.get("logger"))
     trainer = instantiate(

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_DIR_ENV = "PROJECT_EXIT_DIR"
-EXIT_BAD_INPUT = 2  # as project.console.fail: the worker printed one line saying why
+EXIT_BAD_INPUT = 2  # as project.engine.console.fail: the worker printed one line saying why
 # A run that stopped on SIGTERM/SIGUSR1/SIGINT after saving its checkpoint: run the same command
 # again (or let the scheduler requeue it) to resume. 128 + SIGTERM, as a process killed by
 # SIGTERM would report, so schedulers treat it as "terminated", not "failed".

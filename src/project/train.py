@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig
 
-from project.config import CONFIG_DIR, is_rank_zero, register_resolvers, to_plain
-from project.console import (
+from project.engine.config import CONFIG_DIR, register_resolvers, to_plain
+from project.engine.console import (
     METRICS_FILE,
     print_config_tree,
     quiet_lightning,
@@ -28,11 +28,12 @@ from project.console import (
     report_user_errors,
     run_cli,
 )
-from project.errors import UserError
+from project.engine.env import is_rank_zero
+from project.engine.errors import UserError
 from project.launcher import report_exit
 
 if TYPE_CHECKING:
-    from project.resume import Resume
+    from project.engine.resume import Resume
 
 log = logging.getLogger("project.train")
 
@@ -51,7 +52,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from project import ddp
+    from project.engine import ddp
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -72,13 +73,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
-    from project.callbacks import (
+    from project.engine.callbacks import (
         AtomicCheckpointIO,
         FaultInjection,
         FaultTolerance,
         StepStatsCallback,
     )
-    from project.resume import find_resume, training_identity
+    from project.engine.datamodule import shard_datamodule
+    from project.engine.resume import find_resume, training_identity
 
     quiet_lightning()
     threads = ddp.configure_threads(topology)
@@ -95,6 +97,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = instantiate(cfg.data)
+    shard_datamodule(datamodule, cfg.seed)  # any datamodule's loaders: sharded, resumable
     model: pl.LightningModule = instantiate(cfg.model)
     loggers = instantiate_all(cfg.get("logger"))
     callbacks = instantiate_all(cfg.get("callbacks"))
@@ -177,7 +180,7 @@ def stop_cleanly(trainer: Any) -> Iterator[None]:
     )
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from project import ddp
+    from project.engine import ddp
     from project.launcher import EXIT_PREEMPTED
 
     try:
@@ -210,7 +213,7 @@ def test_checkpoint(trainer: Any, cfg: DictConfig, last: Path | None, resume: Re
     if not cfg.train:
         return cfg.get("ckpt_path")
     if resume.finished:  # no fit ran here: the weights come from the run's checkpoints
-        from project.resume import read_checkpoint
+        from project.engine.resume import read_checkpoint
 
         states = read_checkpoint(resume.path).get("callbacks", {}).values()
         best = next((s["best_model_path"] for s in states if s.get("best_model_path")), None)

@@ -13,12 +13,12 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project import faults
-from project.resume import atomic_save, project_state, rng_state, set_rng_state
-from project.signals import StopSignal
-from project.step_stats import StepStats
+from project.bench.step_stats import StepStats
+from project.engine import faults
+from project.engine.resume import atomic_save, project_state, rng_state, set_rng_state
+from project.engine.signals import StopSignal
 
-log = logging.getLogger("project.callbacks")
+log = logging.getLogger("project.engine.callbacks")
 
 
 class FaultTolerance(pl.Callback):
@@ -27,7 +27,7 @@ class FaultTolerance(pl.Callback):
 
     - At the start of every accumulation window, every few windows, all ranks all-reduce
       (signal received?, time-based checkpoint due?), so they stop or save after the same
-      optimizer step (project.signals). This replaces Lightning's per-step blocking broadcast
+      optimizer step (project.engine.signals). This replaces Lightning's per-step blocking broadcast
       (`_broadcast_sigterm_tensor`) and its signal handler.
     - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); train.py
       exits with project.launcher.EXIT_PREEMPTED.

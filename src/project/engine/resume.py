@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from project.errors import UserError
+from project.engine.errors import UserError
 
 
 def rng_state() -> dict[str, Any]:
@@ -67,9 +67,9 @@ def atomic_save(obj: Any, path: str | Path) -> None:
 # What a run trains: a checkpoint is only resumed by a config that agrees on these (dotted
 # prefixes). Where the data lives and how it is loaded may change between attempts.
 IDENTITY = ("seed", "model", "data")
-NOT_IDENTITY = ("model.compile", "data.data_dir", "data.num_workers", "data.pin_memory",
+NOT_IDENTITY = ("model.compile", "data.dataset.data_dir", "data.num_workers", "data.pin_memory",
                 "data.persistent_workers")  # fmt: skip
-ARCHITECTURE = "model.net"  # what must match for the weights to load at all
+ARCHITECTURE = ("model.net", "model.task")  # what must match for the weights to load at all
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -150,7 +150,7 @@ def check_resumable(
     now = training_identity(cfg)
     keys = sorted(set(saved) | set(now))
     if explicit or not complete:
-        keys = [k for k in keys if k == ARCHITECTURE or k.startswith(ARCHITECTURE + ".")]
+        keys = [k for k in keys if k.startswith(tuple(a + "." for a in ARCHITECTURE))]
     diff = [k for k in keys if saved.get(k) != now.get(k)]
     if not diff:
         return

@@ -1,38 +1,9 @@
-"""The networks: plain `torch.nn` modules, shared by the Lightning and the raw DDP trainer.
-
-No Lightning imports here; both trainers build these from the same `model.net` config.
-"""
+"""A small convolutional network for square single-channel images: plain `torch.nn`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-
-class MLP(nn.Module):
-    """A fully connected classifier: flatten -> [Linear, ReLU, Dropout] x depth -> Linear."""
-
-    def __init__(
-        self,
-        in_features: int = 64,
-        hidden: int = 128,
-        depth: int = 2,
-        num_classes: int = 10,
-        dropout: float = 0.0,
-    ) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Flatten()]
-        width = in_features
-        for _ in range(depth):
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
-            if dropout > 0:
-                layers.append(nn.Dropout(dropout))
-            width = hidden
-        layers.append(nn.Linear(width, num_classes))
-        self.layers = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
 
 
 class CNN(nn.Module):
@@ -43,7 +14,7 @@ class CNN(nn.Module):
         image_size: int = 8,
         channels: int = 16,
         hidden: int = 64,
-        num_classes: int = 10,
+        out_features: int = 10,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
@@ -61,7 +32,7 @@ class CNN(nn.Module):
             nn.Linear(2 * channels * pooled * pooled, hidden),
             nn.ReLU(),
             nn.Dropout(dropout),
-            nn.Linear(hidden, num_classes),
+            nn.Linear(hidden, out_features),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,14 @@
-"""Everything distributed, in one place: who launched us, how many processes, which strategy.
+"""Everything distributed, in one place: how many processes, which strategy, peer failures.
 
-- `detect_launcher` reads the environment torchrun (also inside Kubernetes pods) or SLURM made.
-- `resolve_topology` makes `trainer.devices` / `trainer.num_nodes` follow that environment, and
-  stops every rank at start-up when an explicit value contradicts it (never N silent copies).
+- `resolve_topology` makes `trainer.devices` / `trainer.num_nodes` follow the launcher's
+  environment (read by project.engine.env), and stops every rank at start-up when an
+  explicit value contradicts it (never N silent copies).
 - `build_strategy` gives a single-process run no DDP wrapper at all, and a multi-process run
   the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
-- `shared_run_id` lets all ranks of one torchrun job (and its restarts) agree on one run folder.
 - `relaunch_with_torchrun` runs one multi-device Hydra sweep job as its own torchrun job.
 
-Module-level imports stay light: this runs before Hydra has finished composing the config.
+Entry points import this after Hydra has composed the config. Lightning is imported only
+where a Lightning object is needed: the raw trainer uses this module without it.
 """
 
 from __future__ import annotations
@@ -24,37 +24,16 @@ from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from project.errors import UserError
+from project.engine.console import fail
+from project.engine.env import Launcher, detect_launcher
+from project.engine.errors import UserError
 
-log = logging.getLogger("project.ddp")
-
-
-@dataclass(frozen=True)
-class Launcher:
-    """The processes an external launcher started: `devices` per node on `num_nodes` nodes."""
-
-    name: str  # "torchrun" | "slurm"
-    devices: int
-    num_nodes: int
-    flags: tuple[str, str]  # its options for processes per node and nodes (for error messages)
-
-
-def detect_launcher(env: Mapping[str, str] = os.environ) -> Launcher | None:
-    """torchrun (TORCHELASTIC_RUN_ID, as Lightning detects it) or `srun` one task per device.
-
-    Kubernetes PyTorchJobs run torchrun in each pod (launch/k8s), so they are torchrun here.
-    """
-    if "TORCHELASTIC_RUN_ID" in env:
-        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
-        return Launcher("torchrun", local, max(1, world // local), ("--nproc-per-node", "--nnodes"))
-    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
-        nodes = int(env.get("SLURM_NNODES", 1))
-        return Launcher(
-            "slurm", int(env["SLURM_NTASKS"]) // nodes, nodes, ("--ntasks-per-node", "--nodes")
-        )
-    return None
+log = logging.getLogger("project.engine.ddp")
 
 
 @dataclass(frozen=True)
@@ -114,8 +93,6 @@ def configure_threads(topology: Topology, env: MutableMapping[str, str] = os.env
     torchrun sets OMP_NUM_THREADS=1 only with several processes per node; oversubscribed
     threads made 2-process DDP 4x slower here and changed losses at 1e-7.
     """
-    import torch
-
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, topology.devices)))
     threads = int(env["OMP_NUM_THREADS"])
@@ -125,8 +102,6 @@ def configure_threads(topology: Topology, env: MutableMapping[str, str] = os.env
 
 def on_gpu(accelerator: str) -> bool:
     """Whether `trainer.accelerator` means CUDA GPUs here ("auto": if there are any)."""
-    import torch
-
     if accelerator in ("gpu", "cuda"):
         return True
     return accelerator == "auto" and torch.cuda.is_available()
@@ -143,8 +118,6 @@ def _ddp_option_names() -> set[str]:
 
 def check_hardware(strategy_cfg: DictConfig | None, trainer_cfg: DictConfig) -> None:
     """Reject options that cannot work on this hardware now, not deep inside `fit`."""
-    import torch.distributed as dist
-
     gpu = on_gpu(str(trainer_cfg.get("accelerator", "auto")))
     if trainer_cfg.get("sync_batchnorm") and not gpu:
         raise UserError(
@@ -171,31 +144,7 @@ def build_strategy(strategy_cfg: DictConfig | None, topology: Topology) -> Any:
     """ "auto" (no DDP wrapper) for one process in total, else the configured DDPStrategy."""
     if topology.world_size == 1 or not strategy_cfg:
         return "auto"
-    from hydra.utils import instantiate
-
     return instantiate(strategy_cfg)
-
-
-def shared_run_id(fresh_id: str, env: Mapping[str, str] = os.environ) -> str:
-    """The run id all ranks of this torchrun job agree on, via the torchrun agent's store.
-
-    torchrun gives no usable job id with static rendezvous or a default --rdzv-id ("none"),
-    and ranks start in different seconds, so timestamps would split the run folder. The
-    first rank to ask stores its id; everyone (restarted workers too) reads that one.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return f"torchrun-{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
-    store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    return store.compare_set("project/run_id", "", fresh_id).decode()
 
 
 def relaunch_with_torchrun(
@@ -242,8 +191,6 @@ def is_peer_failure(err: BaseException) -> bool:
 @contextlib.contextmanager
 def peer_failures_reported() -> Iterator[None]:
     """Turn "another rank is gone" errors into one line and exit 1 instead of a traceback wall."""
-    from project.console import fail
-
     try:
         yield
     except RuntimeError as err:

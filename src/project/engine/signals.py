@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-log = logging.getLogger("project.signals")
+log = logging.getLogger("project.engine.signals")
 
 
 def _rank() -> int:

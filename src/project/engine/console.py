@@ -12,8 +12,8 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from project.config import is_rank_zero
-from project.errors import UserError
+from project.engine.env import is_rank_zero
+from project.engine.errors import UserError
 
 log = logging.getLogger("project")
 

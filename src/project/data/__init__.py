@@ -1,0 +1,6 @@
+"""Your datasets: plain PyTorch, selected by the `data.dataset` config (`_target_`).
+
+Each is a `project.data.source.DataSource`: `prepare()` (once per node) and
+`dataset(split)` (every rank). Batching, sharding across ranks and resumable order are the
+machinery's job (project.engine.sharding), the same for both trainers.
+"""

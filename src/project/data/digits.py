@@ -1,0 +1,88 @@
+"""scikit-learn's 8x8 handwritten digits (1797 images, shipped with it: works offline).
+
+`prepare` writes the arrays to .npy once per node; every rank then reads them memory-mapped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from project.data.source import SPLITS, DataSource, check_writable, save_array
+
+FEATURES_FILE = "digits_x.npy"
+TARGETS_FILE = "digits_y.npy"
+
+
+def materialise(data_dir: str | Path) -> Path:
+    """Write the digits arrays into `data_dir` unless they are already there. Returns the dir.
+
+    Features are scaled to [0, 1] float32, targets are int64.
+    """
+    data_dir = Path(data_dir)
+    if (data_dir / FEATURES_FILE).is_file() and (data_dir / TARGETS_FILE).is_file():
+        return data_dir
+    from sklearn.datasets import load_digits  # slow import: only when the data is missing
+
+    digits = load_digits()
+    save_array(data_dir / FEATURES_FILE, (digits.data / 16.0).astype(np.float32))
+    save_array(data_dir / TARGETS_FILE, digits.target.astype(np.int64))
+    return data_dir
+
+
+def split_indices(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A deterministic train/val/test split of `range(n)` that depends on `seed` only."""
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"val_fraction={val_fraction} and test_fraction={test_fraction} must be in [0, 1) "
+            "and sum to less than 1"
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
+
+
+class DigitsDataset(Dataset):
+    """Rows `indices` of the materialised digits arrays, memory-mapped (no copy per rank)."""
+
+    def __init__(self, data_dir: str | Path, indices: np.ndarray | None = None) -> None:
+        data_dir = Path(data_dir)
+        self.x = np.load(data_dir / FEATURES_FILE, mmap_mode="r")
+        self.y = np.load(data_dir / TARGETS_FILE, mmap_mode="r")
+        self.indices = np.arange(len(self.y)) if indices is None else np.asarray(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = self.indices[i]
+        return torch.from_numpy(np.array(self.x[j])), torch.tensor(self.y[j])
+
+
+class Digits(DataSource):
+    """(64 pixel features in [0, 1], class 0-9) pairs with a seeded train/val/test split."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        seed: int = 42,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.fractions, self.seed = (val_fraction, test_fraction), seed
+        check_writable(self.data_dir)  # fail before any process or trainer is started
+        split_indices(10, val_fraction, test_fraction, seed)  # validates the fractions now
+
+    def prepare(self) -> None:
+        materialise(self.data_dir)
+
+    def dataset(self, split: str) -> Dataset:
+        n = len(np.load(self.data_dir / TARGETS_FILE, mmap_mode="r"))
+        splits = dict(zip(SPLITS, split_indices(n, *self.fractions, self.seed), strict=True))
+        return DigitsDataset(self.data_dir, splits[split])

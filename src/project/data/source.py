@@ -1,0 +1,61 @@
+"""The data contract both trainers use, and helpers for sources that cache files on disk.
+
+A source builds map-style `torch.utils.data.Dataset`s for the splits "train", "val" and
+"test". `prepare()` runs once per node before any rank reads (local rank 0: download,
+decode, write a cache); `dataset(split)` runs on every rank and should be cheap (read the
+cache, memory-mapped where it can). Splits must depend on the config only (seeded), never on
+the rank or the process count.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from project.engine.errors import UserError
+
+SPLITS = ("train", "val", "test")
+
+
+class DataSource:
+    """Subclass and implement `dataset`; override `prepare` when something must be written."""
+
+    def prepare(self) -> None:
+        """Once per node, before `dataset` is called anywhere: fetch or cache the raw data."""
+
+    def dataset(self, split: str) -> Dataset:
+        """The map-style dataset of `split` (one of SPLITS)."""
+        raise NotImplementedError
+
+
+def check_writable(data_dir: str | Path) -> None:
+    """Fail with a one-line fix when `data_dir` cannot be created or written."""
+    data_dir = Path(data_dir)
+    existing = data_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UserError(
+            f"data_dir {data_dir} cannot be written ({existing} is not a writable directory); "
+            "point it elsewhere with paths.data_dir=/some/writable/dir"
+        )
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """np.save to `path` so that a reader never sees a half-written file.
+
+    The temp file lives in the same directory, so `os.replace` is an atomic rename.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,114 @@
+"""A text corpus as next-character prediction windows (for `experiment=charlm`).
+
+The default corpus ships inside Python itself: `pydoc_data.topics` (the text of `help()`
+topics, ~465 KB of English prose and code), so it works offline. Any UTF-8 text file works
+too (`data.dataset.path=/my/corpus.txt`). Text is encoded as UTF-8 bytes (vocabulary 256:
+one token per character for ASCII text, no tokenizer to train or ship). The split is
+contiguous: the first part trains, the next validates, the last tests, so no window of
+val/test text was seen in training.
+
+    python -m project.data.text      # corpus size and the unigram baseline to beat
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from project.data.source import SPLITS, DataSource
+from project.engine.errors import UserError
+
+VOCAB_SIZE = 256  # bytes
+
+
+def read_corpus(path: str | None) -> bytes:
+    """The corpus as UTF-8 bytes: `path`, or Python's own pydoc topics when None."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics)).encode()
+    try:
+        return Path(path).read_text(encoding="utf-8").encode()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(
+            f"data.dataset.path={path} cannot be read as UTF-8 text ({err.__class__.__name__}: "
+            f"{getattr(err, 'strerror', None) or err}): point it at a text file"
+        ) from None
+
+
+class Windows(Dataset):
+    """Non-overlapping windows of `block_size + 1` tokens: (input, input shifted by one)."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens, self.block_size = torch.from_numpy(tokens.astype(np.int64)), block_size
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.block_size)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.block_size
+        chunk = self.tokens[start : start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CharCorpus(DataSource):
+    """Byte-level windows of a text corpus with a contiguous train/val/test split."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        block_size: int = 64,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+    ) -> None:
+        if not (0 < val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise UserError(
+                f"data.dataset val_fraction={val_fraction} and test_fraction={test_fraction} "
+                "must be in (0, 1) and sum to less than 1"
+            )
+        self.path, self.block_size = path, block_size
+        self.fractions = (val_fraction, test_fraction)
+        read_corpus(path)  # an unreadable corpus fails now, before any process starts
+
+    def splits(self) -> dict[str, np.ndarray]:
+        tokens = np.frombuffer(read_corpus(self.path), dtype=np.uint8)
+        n_val, n_test = (round(len(tokens) * f) for f in self.fractions)
+        n_train = len(tokens) - n_val - n_test
+        bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val),
+                  "test": (n_train + n_val, len(tokens))}  # fmt: skip
+        return {s: tokens[a:b] for s, (a, b) in bounds.items()}
+
+    def dataset(self, split: str) -> Dataset:
+        windows = Windows(self.splits()[split], self.block_size)
+        if len(windows) == 0:
+            raise UserError(
+                f"the {split} split of the corpus is shorter than one window of "
+                f"block_size={self.block_size}: use a longer corpus or a larger {split} fraction"
+            )
+        return windows
+
+
+def unigram_baseline(train: np.ndarray, other: np.ndarray) -> float:
+    """Cross-entropy (nats per token) of `other` under the train split's byte frequencies
+    (add-one smoothed): what a model that ignores context scores."""
+    counts = np.bincount(train, minlength=VOCAB_SIZE).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    return float(-log_p[other].mean())
+
+
+def main() -> None:
+    corpus = CharCorpus()
+    splits = corpus.splits()
+    sizes = ", ".join(f"{s} {len(splits[s])}" for s in SPLITS)
+    print(f"pydoc_data.topics: {sum(map(len, splits.values()))} bytes ({sizes})")
+    for split in ("val", "test"):
+        loss = unigram_baseline(splits["train"], splits[split])
+        print(f"unigram baseline on {split}: loss {loss:.3f} nats, perplexity {math.exp(loss):.2f}")
+
+
+if __name__ == "__main__":
+    main()

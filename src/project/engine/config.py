@@ -1,0 +1,52 @@
+"""Hydra/OmegaConf resolvers and config helpers. Light imports only (no torch, no Lightning):
+this runs before `--help` and `--cfg job` answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from project.engine.env import is_rank_zero, run_id
+
+# src/project/engine/config.py -> repo root (the folder that holds `configs/`).
+ROOT_DIR = Path(__file__).resolve().parents[3]
+CONFIG_DIR = ROOT_DIR / "configs"
+
+
+def register_resolvers() -> None:
+    """Idempotent: safe to call from every entry point."""
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id)
+    if not OmegaConf.has_resolver("root_dir"):
+        OmegaConf.register_new_resolver("root_dir", lambda: str(ROOT_DIR))
+    if not OmegaConf.has_resolver("config_subdir"):
+        OmegaConf.register_new_resolver("config_subdir", config_subdir)
+
+
+def config_subdir(name: str, run_dir: str) -> str | None:
+    """Where Hydra saves this attempt's config snapshot, relative to the run folder.
+
+    Global rank 0 only (other ranks: null, nothing written). A run folder's first attempt gets
+    `name` (.hydra/); a later attempt in the same folder (resume, restart, requeue, the same
+    RUN_ID again) gets `name/attempt-N/`, so the record of how the run began is never
+    overwritten, also not by an attempt whose config is then refused.
+    """
+    if not is_rank_zero():
+        return None
+    first = Path(run_dir) / name
+    if not (first / "config.yaml").exists():
+        return name
+    n = 1
+    while (first / f"attempt-{n}").exists():
+        n += 1
+    return f"{name}/attempt-{n}"
+
+
+def to_plain(cfg: Any) -> Any:
+    """DictConfig/ListConfig -> plain dicts/lists, resolved (for checkpoints and loggers)."""
+    if isinstance(cfg, DictConfig) or OmegaConf.is_list(cfg):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg

@@ -1,0 +1,99 @@
+"""The LightningDataModule around any DataSource (project.data), and the sharding guard every
+datamodule gets, the template's or a user's own.
+
+`prepare_data` runs `source.prepare()` in one process per node; `setup` builds the split
+datasets on every rank. The loaders are plain `DataLoader(dataset, shuffle=...)`: sharding
+and the resumable order come from `shard_datamodule` (project.engine.sharding), the same
+code the raw trainer runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils.data import DataLoader
+
+from project.data.source import SPLITS, DataSource
+from project.engine.config import to_plain
+from project.engine.errors import UserError
+from project.engine.sharding import shard_loaders
+
+
+def build_source(dataset: Any) -> DataSource:
+    """The `data.dataset` config as a DataSource (both trainers and eval build it here)."""
+    source = instantiate(dict(to_plain(dataset)))
+    if not isinstance(source, DataSource):
+        raise UserError(
+            f"data.dataset._target_={dataset['_target_']} is not a project.data.source."
+            "DataSource: subclass it (prepare + dataset(split))"
+        )
+    return source
+
+
+def plain_loader(dataset: Any, stage: str, batch_size: int, **loading: Any) -> DataLoader:
+    """What a user would write: shuffled for training, in order otherwise."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=stage == "train", **loading)
+
+
+class DataModule(pl.LightningDataModule):
+    """Batches of a DataSource. `dataset` is its config (a `_target_` dict), kept in the
+    checkpoint's hyperparameters so eval.py can rebuild the same split."""
+
+    def __init__(
+        self,
+        dataset: dict[str, Any],
+        batch_size: int = 64,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+    ) -> None:
+        super().__init__()
+        dataset = to_plain(dataset)
+        self.save_hyperparameters()
+        self.source = build_source(dataset)  # validates paths and fractions before any fit
+        self.sets: dict[str, Any] = {}
+
+    def prepare_data(self) -> None:
+        self.source.prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        self.sets = {split: self.source.dataset(split) for split in SPLITS}
+
+    def _loader(self, stage: str) -> DataLoader:
+        h = self.hparams
+        return plain_loader(
+            self.sets[stage], stage, h.batch_size, num_workers=h.num_workers,
+            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers and h.num_workers > 0,
+        )  # fmt: skip
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+def shard_datamodule(datamodule: pl.LightningDataModule, seed: int) -> None:
+    """Make every loader `datamodule` returns sharded over the trainer's ranks (in place).
+
+    Wraps the `*_dataloader` methods it defines; the rank and world size are read from the
+    trainer when Lightning asks for the loaders.
+    """
+    for stage in SPLITS:
+        name = f"{stage}_dataloader"
+        if not is_overridden(name, datamodule):
+            continue
+        original = getattr(datamodule, name)
+
+        def sharded(original: Any = original, stage: str = stage) -> Any:
+            trainer = datamodule.trainer
+            world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+            return shard_loaders(original(), stage, world, rank, seed)
+
+        setattr(datamodule, name, sharded)

@@ -1,0 +1,124 @@
+"""What the launcher told this process, read in one place (no torch: entry points use it
+before any heavy import): which launcher started us, this process's rank, local rank and the
+world size, and the name of the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+def rank(env: Mapping[str, str] = os.environ) -> int:
+    """Global rank: torchrun's RANK, srun's SLURM_PROCID, else 0."""
+    return int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+
+
+def local_rank(env: Mapping[str, str] = os.environ) -> int:
+    return int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+
+
+def world_size(env: Mapping[str, str] = os.environ) -> int:
+    return int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """The processes an external launcher started: `devices` per node on `num_nodes` nodes."""
+
+    name: str  # "torchrun" | "slurm"
+    devices: int
+    num_nodes: int
+    flags: tuple[str, str]  # its options for processes per node and nodes (for error messages)
+
+
+def detect_launcher(env: Mapping[str, str] = os.environ) -> Launcher | None:
+    """torchrun (TORCHELASTIC_RUN_ID, as Lightning detects it) or `srun` one task per device.
+
+    Kubernetes PyTorchJobs run torchrun in each pod (launch/k8s), so they are torchrun here.
+    """
+    if "TORCHELASTIC_RUN_ID" in env:
+        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+        return Launcher("torchrun", local, max(1, world // local), ("--nproc-per-node", "--nnodes"))
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        nodes = int(env.get("SLURM_NNODES", 1))
+        return Launcher(
+            "slurm", int(env["SLURM_NTASKS"]) // nodes, nodes, ("--ntasks-per-node", "--nodes")
+        )
+    return None
+
+
+_run_id: str | None = None
+
+
+def run_id() -> str:
+    """A name for this run, the same in every process of the run.
+
+    Order: env RUN_ID (set it to resume a run, or to name one across nodes) -> the torchrun
+    job id (shared by all ranks and kept across `--max-restarts`; agreed through torchrun's
+    store when it has none) -> SLURM job id + a digest of the command's overrides (a requeued
+    job reruns the same command and finds its folder; two different runs inside one
+    allocation do not share one) -> a fresh timestamp with a random suffix (so two runs
+    started in the same second never collide).
+    """
+    global _run_id
+    if _run_id is None:
+        fresh = time.strftime("%Y-%m-%d_%H-%M-%S") + "_" + secrets.token_hex(2)
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+        if os.environ.get("RUN_ID"):
+            _run_id = os.environ["RUN_ID"]
+        elif elastic not in (None, "", "none"):
+            _run_id = f"torchrun-{elastic}"
+        elif elastic is not None:  # torchrun without a job id: the ranks agree on one
+            _run_id = shared_run_id(fresh)
+        elif os.environ.get("SLURM_JOB_ID"):
+            _run_id = f"slurm-{os.environ['SLURM_JOB_ID']}-{command_digest(sys.argv[1:])}"
+        else:
+            _run_id = fresh
+    return _run_id
+
+
+def command_digest(overrides: list[str]) -> str:
+    """6 hex digits naming a set of overrides (order-free; Hydra's own `hydra.*` ignored)."""
+    kept = sorted(o for o in overrides if not o.startswith("hydra."))
+    return hashlib.sha1("\0".join(kept).encode()).hexdigest()[:6]
+
+
+def is_rank_zero() -> bool:
+    """True in the process that is (or will be) global rank 0, judged from the launcher's env.
+
+    torchrun and SLURM set RANK / SLURM_PROCID; Lightning's own launcher sets only LOCAL_RANK
+    and NODE_RANK on the processes it starts.
+    """
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key]) == 0
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(node) == 0
+
+
+def shared_run_id(fresh_id: str, env: Mapping[str, str] = os.environ) -> str:
+    """The run id all ranks of this torchrun job agree on, via the torchrun agent's store.
+
+    torchrun gives no usable job id with static rendezvous or a default --rdzv-id ("none"),
+    and ranks start in different seconds, so timestamps would split the run folder. The
+    first rank to ask stores its id; everyone (restarted workers too) reads that one.
+    """
+    import datetime
+
+    import torch.distributed as dist  # only here: the rest of this module is torch-free
+
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return f"torchrun-{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    return store.compare_set("project/run_id", "", fresh_id).decode()

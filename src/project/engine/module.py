@@ -1,0 +1,107 @@
+"""The LightningModule: a thin adapter that runs a Task (project.tasks) in Lightning's loop.
+
+The task (network, loss, metrics) is plain PyTorch and the raw trainer runs the same one.
+Hyperparameters are the plain `task`, `net`, `optimizer` and `scheduler` config dicts, so a
+checkpoint rebuilds its own module (`TaskModule(**ckpt["hyper_parameters"])`) and loads with
+torch's default `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+from project.engine.config import to_plain
+from project.engine.optim import build_optimizer, build_scheduler
+from project.tasks.task import STAGES, build_task
+
+
+def stage_metrics(task: Any, stage: str) -> nn.ModuleDict:
+    """The task's metrics for `stage` plus the mean loss every stage reports (both trainers)."""
+    # The train loss updates every step: no NaN check (it forces a CPU-GPU sync on GPU).
+    loss = MeanMetric(nan_strategy="disable") if stage == "train" else MeanMetric()
+    return nn.ModuleDict({"loss": loss, **task.metrics(stage)})
+
+
+class TaskModule(pl.LightningModule):
+    """Lightning's hooks around `task.step`; metrics logged as `<stage>/<name>` per epoch."""
+
+    def __init__(
+        self,
+        task: dict[str, Any],
+        net: dict[str, Any],
+        optimizer: dict[str, Any],
+        scheduler: dict[str, Any] | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        # Plain containers only: DictConfig in a checkpoint would need weights_only=False.
+        task, net = to_plain(task), to_plain(net)
+        optimizer, scheduler = to_plain(optimizer), to_plain(scheduler)
+        self.save_hyperparameters(logger=False)
+        self.task = build_task(task, net)
+        # One set of metric objects per stage: torchmetrics syncs their state across ranks at
+        # compute() (epoch end), so nothing is reduced on every step.
+        for stage in STAGES:  # attributes train_metrics, val_metrics, test_metrics
+            setattr(self, f"{stage}_metrics", stage_metrics(self.task, stage))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.task(x)
+
+    def configure_model(self) -> None:
+        # In-place compile keeps the state-dict keys, so checkpoints load with or without it.
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.task.net.compile()
+            self._compiled = True
+
+    def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        metrics = getattr(self, f"{stage}_metrics")
+        loss = self.task.step(batch, metrics)
+        metrics["loss"].update(loss.detach())
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._step(batch, "train")
+        # The per-step loss is this rank's own (no collective per step; epoch values are
+        # synced). Only on the steps the logger writes: in Lightning 2.6 each self.log call
+        # costs ~1 ms on CPU (it re-walks its result object), more than a small model's step.
+        every = self.trainer.log_every_n_steps
+        if self.trainer.fast_dev_run or (every and (self.global_step + 1) % every == 0):
+            self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def _log_epoch(self, stage: str) -> None:
+        # Logging the metric objects lets Lightning call compute() (synced) and reset().
+        for name, metric in getattr(self, f"{stage}_metrics").items():
+            show = stage != "train" and name != "loss"
+            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=show)
+
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
+
+    def configure_optimizers(self) -> Any:
+        optimizer = build_optimizer(self.parameters(), self.hparams.optimizer)
+        built = build_scheduler(optimizer, self.hparams.scheduler)
+        if built is None:
+            return optimizer
+        scheduler, interval, frequency = built
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": interval, "frequency": frequency},
+        }

@@ -1,0 +1,503 @@
+"""The raw PyTorch DDP trainer: what Lightning does for this template, written out.
+
+It runs the same task (project.tasks: network, loss, metrics), the same data source and loaders
+(project.data, project.engine.sharding), the same optimizer and scheduler builders
+(project.engine.optim) from the same config, so its per-step losses are bitwise equal to
+Lightning's. What had to match for that is marked "parity:".
+
+| Lightning feature                                  | where it happens here                |
+|----------------------------------------------------|--------------------------------------|
+| Trainer(devices, num_nodes), DDPStrategy options   | `setup_distributed`, `wrap_model`     |
+| seed_everything, deterministic, benchmark          | `seed_everything`, `__init__`         |
+| LightningDataModule prepare_data/setup, sampler    | `setup_data` (prepare once per node)  |
+| LightningModule.training_step under DDP            | `Step.forward` -> `task.step`         |
+| accumulate_grad_batches (no_sync inside a window)  | `train_epoch`, `backward`             |
+| precision (autocast, GradScaler), gradient clipping | `autocast`, `backward`, `optimizer_step` |
+| LR scheduler interval/frequency                    | `optimizer_step`, `end_epoch`         |
+| num_sanity_val_steps, validation, test loops       | `sanity_check`, `evaluate`            |
+| self.log of torchmetrics (synced at epoch end)     | `compute`, `log_scalar`               |
+| limit_*_batches, fast_dev_run                      | `n_batches`                           |
+| ModelCheckpoint (best), EarlyStopping              | `save_best`, `EarlyStopping`          |
+| FaultTolerance: last checkpoint, stop on a signal  | `save_last`, `check_stop`, `load`     |
+| TensorBoardLogger, LearningRateMonitor             | `log_scalar`                          |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
+
+from project.bench.step_stats import StepStats
+from project.data.source import SPLITS
+from project.engine import ddp, env, faults
+from project.engine.config import to_plain
+from project.engine.datamodule import build_source, plain_loader
+from project.engine.errors import UserError
+from project.engine.module import stage_metrics
+from project.engine.optim import build_optimizer, build_scheduler
+from project.engine.raw_keys import check_config
+from project.engine.resume import (
+    atomic_save,
+    project_state,
+    rng_state,
+    set_rng_state,
+    training_identity,
+)
+from project.engine.sharding import shard_loader
+from project.engine.signals import StopSignal
+from project.tasks.task import STAGES, build_task
+
+log = logging.getLogger("project.raw_train")
+
+LAST = "last.pt"  # the raw trainer's checkpoints are its own format, not Lightning's .ckpt
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class Step(nn.Module):
+    """DDP all-reduces the gradients of work done inside its module's forward: like Lightning's
+    wrapper around training_step, this makes `task.step` that forward."""
+
+    def __init__(self, task: nn.Module) -> None:
+        super().__init__()
+        self.task = task
+
+    def forward(self, batch: Any, metrics: nn.ModuleDict) -> torch.Tensor:
+        return self.task.step(batch, metrics)
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop on a signal (see project.engine.signals)."""
+
+
+class RawTrainer:
+    """One training run: set-up in __init__, then fit() and test(). Rank 0 logs and saves."""
+
+    def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
+        self.cfg, self.output_dir, t = cfg, output_dir, cfg.trainer
+        check_config(cfg)
+        self.setup_distributed()
+        self.setup_data()
+        # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
+        # the task, so both trainers draw the same initial weights.
+        seed_everything(cfg.seed)
+        torch.use_deterministic_algorithms(bool(t.get("deterministic")), warn_only=True)
+        if t.get("benchmark") is not None:
+            torch.backends.cudnn.benchmark = bool(t.benchmark)
+        self.task = build_task(cfg.model.task, cfg.model.net).to(self.device)
+        self.metrics = {s: stage_metrics(self.task, s).to(self.device) for s in STAGES}
+        self.model = self.wrap_model()
+        self.optimizer = build_optimizer(self.task.parameters(), to_plain(cfg.model.optimizer))
+        built = build_scheduler(self.optimizer, to_plain(cfg.model.get("scheduler")))
+        self.scheduler, self.sched_interval, self.sched_every = built or (None, "epoch", 1)
+        self.autocast_dtype = AUTOCAST.get(str(t.precision))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(t.precision) == "16-mixed")
+        self.setup_fault_tolerance()
+        self.stats = StepStats() if cfg.get("step_stats") else None
+        has_logger = self.is_zero and cfg.get("logger")
+        self.writer = SummaryWriter(str(output_dir / "tensorboard")) if has_logger else None
+        self.global_step = 0  # optimizer steps, like Lightning's trainer.global_step
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.best: float | None = None
+        self.early = EarlyStopping(cfg.callbacks.get("early_stopping"))
+        self.resumed = False
+
+    # --- set-up ------------------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        """Process group from env:// (torchrun set MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+        t = self.cfg.trainer
+        topology = ddp.resolve_topology(t)
+        if topology.world_size > 1 and topology.launcher is None:
+            raise UserError(
+                f"the raw trainer does not start processes itself ({topology.world_size} "
+                "requested): run it under torchrun, e.g. TRAINER=raw NPROC_PER_NODE=2 "
+                "launch/single_node.sh"
+            )
+        ddp.check_hardware(self.cfg.get("strategy"), t)
+        threads = ddp.configure_threads(topology)
+        self.world, self.rank, self.local_rank = topology.world_size, env.rank(), env.local_rank()
+        self.on_gpu = ddp.on_gpu(str(t.accelerator))
+        self.device = torch.device(f"cuda:{self.local_rank}" if self.on_gpu else "cpu")
+        if self.on_gpu:
+            torch.cuda.set_device(self.device)
+        self.strategy = dict(to_plain(self.cfg.get("strategy")) or {})
+        if self.world > 1:
+            s = self.strategy
+            timeout = instantiate(s["timeout"]) if s.get("timeout") else None
+            backend = s.get("process_group_backend") or ("nccl" if self.on_gpu else "gloo")
+            device_id = self.device if self.on_gpu else None
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        self.is_zero = self.rank == 0
+        log.info(
+            f"raw trainer: {topology.devices} process(es) per node x {topology.num_nodes} "
+            f"node(s), device {self.device}, {threads} thread(s) per process"
+        )
+
+    def setup_data(self) -> None:
+        """The data source prepared once per node (local rank 0), then every rank's loaders:
+        plain loaders sharded by the same code as Lightning's (project.engine.sharding)."""
+        d = self.cfg.data
+        source = build_source(d.dataset)
+        if self.local_rank == 0:
+            source.prepare()
+        self.barrier()
+        loading = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
+                   "persistent_workers": d.persistent_workers and d.num_workers > 0}  # fmt: skip
+        self.loaders = {
+            s: shard_loader(plain_loader(source.dataset(s), s, d.batch_size, **loading), s,
+                            self.world, self.rank, self.cfg.seed)
+            for s in SPLITS
+        }  # fmt: skip
+
+    def wrap_model(self) -> nn.Module:
+        """DDP with the options the Lightning strategy config sets (keys after start_method go
+        straight to DistributedDataParallel there too)."""
+        if self.cfg.trainer.get("sync_batchnorm") and self.world > 1:
+            self.task = nn.SyncBatchNorm.convert_sync_batchnorm(self.task)
+        if self.cfg.model.get("compile"):
+            self.task.net.compile()
+        step = Step(self.task)
+        if self.world == 1:
+            return step
+        not_ddp = ("_target_", "process_group_backend", "timeout", "start_method")
+        kwargs = {k: v for k, v in self.strategy.items() if k not in not_ddp}
+        device_ids = [self.local_rank] if self.on_gpu else None
+        return DistributedDataParallel(step, device_ids=device_ids, **kwargs)
+
+    def setup_fault_tolerance(self) -> None:
+        ft = self.fault_tolerance = to_plain(self.cfg.callbacks.get("fault_tolerance")) or {}
+        self.stop = StopSignal(
+            ft.get("check_every_n_steps", 10),
+            save_every_n_train_steps=ft.get("every_n_train_steps"),
+            save_every_n_seconds=ft.get("every_n_seconds"),
+            budget_s=ft.get("stop_budget_s", 25.0),
+        )
+        self.identity = training_identity(to_plain(self.cfg))
+        self.finished = False  # set when fit ends normally: last.pt then says so
+        self.final_metrics: dict[str, float] = {}
+
+    # --- small helpers -----------------------------------------------------------------------
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def log_scalar(self, name: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(name, value, step)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def batches(self, stage: str, n: int, first: int = 0) -> Iterator[tuple[int, Any]]:
+        """(index, batch on the device) for batches first..n-1 of `stage` (the loader already
+        skips the first `first` when resuming mid-epoch)."""
+        for i, batch in enumerate(self.loaders[stage], start=first):
+            if i >= n:
+                break
+            yield i, to_device(batch, self.device)
+
+    def n_batches(self, stage: str) -> int:
+        """Lightning's limit_*_batches (None: all, int: that many, float: that fraction) and
+        fast_dev_run."""
+        t = self.cfg.trainer
+        if t.get("fast_dev_run"):
+            return 1 if t.fast_dev_run is True else int(t.fast_dev_run)
+        total, value = len(self.loaders[stage]), t.get(f"limit_{stage}_batches")
+        if value is None:
+            return total
+        if isinstance(value, float) and value <= 1.0:
+            return int(total * value)
+        return min(total, int(value))
+
+    def compute(self, stage: str) -> dict[str, float]:
+        """The stage's metrics over all ranks (torchmetrics syncs at compute), then reset."""
+        values = {f"{stage}/{k}": float(m.compute()) for k, m in self.metrics[stage].items()}
+        for metric in self.metrics[stage].values():
+            metric.reset()
+        return values
+
+    # --- evaluation --------------------------------------------------------------------------
+    def evaluate(self, stage: str, n: int) -> dict[str, float]:
+        """The task's step on `n` batches of `stage` without gradients; synced metrics."""
+        self.task.eval()
+        with torch.no_grad():
+            for _, batch in self.batches(stage, n):
+                with self.autocast():
+                    loss = self.task.step(batch, self.metrics[stage])
+                self.metrics[stage]["loss"].update(loss)
+        self.task.train()
+        return self.compute(stage)
+
+    def sanity_check(self) -> None:
+        """Like Lightning: a few validation batches before training catch a broken validation
+        step before a long epoch (not when resuming). parity: Lightning isolates the global
+        RNG around it."""
+        t = self.cfg.trainer
+        sanity = min(int(t.get("num_sanity_val_steps") or 0), self.n_batches("val"))
+        if sanity > 0 and not t.get("fast_dev_run") and not self.resumed:
+            with isolated_rng():
+                self.evaluate("val", sanity)
+
+    # --- training ----------------------------------------------------------------------------
+    def backward(self, batch: Any, accumulate: int, sync: bool) -> torch.Tensor:
+        """Forward + backward of one batch; gradients are all-reduced only when `sync`.
+        Returns the batch's mean loss (detached)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        context = contextlib.nullcontext() if sync or no_sync is None else no_sync()
+        with context:
+            with self.autocast():
+                loss = self.model(batch, self.metrics["train"])
+            # parity: Lightning divides by the accumulation count before backward.
+            self.scaler.scale(loss / accumulate).backward()
+        loss = loss.detach()
+        self.metrics["train"]["loss"].update(loss)
+        return loss
+
+    def optimizer_step(self) -> None:
+        t = self.cfg.trainer
+        self.scaler.unscale_(self.optimizer)
+        if t.get("gradient_clip_val"):
+            params = self.task.parameters()
+            if t.get("gradient_clip_algorithm", "norm") == "value":
+                nn.utils.clip_grad_value_(params, t.gradient_clip_val)
+            else:
+                nn.utils.clip_grad_norm_(params, t.gradient_clip_val)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        step_due = self.global_step % self.sched_every == 0
+        if self.scheduler and self.sched_interval == "step" and step_due:
+            self.scheduler.step()
+
+    def check_stop(self) -> None:
+        """At an accumulation window start (no partial gradients to lose): every few windows
+        the ranks agree whether to save last.pt and whether to stop (project.engine.signals)."""
+        stop, save = self.stop.check(self.device, self.global_step)
+        if save or stop:
+            self.save_last()
+        if stop:
+            raise Preempted()
+
+    def train_epoch(self, epoch: int) -> None:
+        """One epoch of optimizer steps; resumes after the batches a checkpoint had done."""
+        t, loader = self.cfg.trainer, self.loaders["train"]
+        accumulate = int(t.get("accumulate_grad_batches") or 1)
+        n_train = self.n_batches("train")
+        loader.sampler.set_epoch(epoch)  # parity: a new shuffle each epoch, as Lightning
+        first = self.batch_in_epoch
+        if first:  # resuming mid-epoch: skip what was trained on
+            loader.sampler.skip_batches(first, loader.batch_size)
+            log.info(f"Resuming mid-epoch: skipping {first} batches")
+        lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
+        self.log_scalar(lr_name, self.optimizer.param_groups[0]["lr"], self.global_step)
+        for i, batch in self.batches("train", n_train, first):
+            if self.stats:
+                self.stats.step_start()
+            self.batch_in_epoch = i  # batches of this epoch already trained on
+            if i % accumulate == 0:
+                self.check_stop()
+            sync = (i + 1) % accumulate == 0 or i + 1 == n_train
+            loss = self.backward(batch, accumulate, sync)
+            if sync:
+                self.optimizer_step()
+            if self.stats:
+                self.stats.record_loss(loss / accumulate)  # what backward saw
+            if sync and self.global_step % int(t.log_every_n_steps) == 0:
+                self.log_scalar("train/loss_step", loss.item(), self.global_step)
+            faults.maybe_fail(self.global_step, self.rank, self.cfg.get("fault_injection"))
+        self.batch_in_epoch = 0
+
+    def end_epoch(self, epoch: int) -> tuple[dict[str, float], bool]:
+        """Train metrics, epoch scheduler step, validation, logging, best checkpoint.
+        Returns the epoch's metrics and whether validation ran."""
+        t = self.cfg.trainer
+        metrics = self.compute("train")
+        epoch_due = (epoch + 1) % self.sched_every == 0
+        if self.scheduler and self.sched_interval == "epoch" and epoch_due:
+            self.scheduler.step()
+        n_val = self.n_batches("val")
+        validate = n_val > 0 and (epoch + 1) % int(t.check_val_every_n_epoch) == 0
+        if validate:
+            metrics.update(self.evaluate("val", n_val))
+        for name, value in metrics.items():
+            self.log_scalar(name, value, self.global_step)
+        self.epoch = epoch + 1  # what a checkpoint written now resumes at
+        if validate:
+            self.save_best(metrics)
+        return metrics, validate
+
+    def fit(self) -> dict[str, float]:
+        """The loop Lightning's fit runs: sanity check, then epochs of train + validation."""
+        t = self.cfg.trainer
+        max_epochs = 1 if t.get("fast_dev_run") else int(t.max_epochs)
+        metrics: dict[str, float] = {}
+        self.stop.install()
+        self.stop.mark_saved(self.global_step)  # a resumed run starts from a checkpoint
+        try:
+            self.sanity_check()
+            self.task.train()
+            for epoch in range(self.epoch, max_epochs):
+                self.train_epoch(epoch)
+                epoch_metrics, validated = self.end_epoch(epoch)
+                metrics.update(epoch_metrics)
+                stop = validated and self.early.should_stop(metrics)
+                if stop and epoch + 1 >= int(t.min_epochs or 0):
+                    log.info(f"Early stopping after epoch {epoch}")
+                    break
+                if self.fault_tolerance and epoch + 1 < max_epochs:
+                    self.save_last()  # every epoch end (the last one is saved as finished)
+        finally:
+            self.stop.restore()
+        if self.fault_tolerance and not t.get("fast_dev_run"):
+            self.finished, self.final_metrics = True, dict(metrics)
+            self.save_last()
+        if self.stats and self.is_zero:
+            self.stats.write(self.output_dir)
+        return metrics
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def checkpoint_dir(self) -> Path:
+        ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
+        return Path(ckpt_cfg.get("dirpath") or self.output_dir / "checkpoints")
+
+    def last_path(self) -> Path:
+        return Path(self.fault_tolerance.get("dirpath") or self.checkpoint_dir()) / LAST
+
+    def save_last(self) -> None:
+        """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
+        began = time.monotonic()
+        if self.is_zero:
+            atomic_save(self.state_dict(), self.last_path())
+            log.info(f"Saved {self.last_path()} at step {self.global_step}")
+        self.barrier()
+        self.stop.mark_saved(self.global_step, time.monotonic() - began)
+
+    def save_best(self, metrics: dict[str, float]) -> None:
+        """After validation: best.pt when the monitored metric improved (strictly)."""
+        ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
+        monitor = ckpt_cfg.get("monitor") or self.cfg.optimized_metric
+        mode = ckpt_cfg.get("mode") or self.cfg.optimized_mode
+        value = metrics.get(monitor)
+        improved = value is not None and (
+            self.best is None or (value < self.best if mode == "min" else value > self.best)
+        )
+        if improved:
+            self.best = value
+        if self.is_zero and ckpt_cfg and improved:
+            atomic_save(self.state_dict(), self.checkpoint_dir() / "best.pt")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.task.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,  # the epoch to run (or continue)
+            "batch_in_epoch": self.batch_in_epoch,  # its batches already trained on
+            "global_step": self.global_step,
+            "best": self.best,
+            "early_stopping": {"best": self.early.best, "wait": self.early.wait},
+            "rng": rng_state(),
+            "config": to_plain(self.cfg),
+            "project": project_state(self.identity, self.finished, self.final_metrics),
+        }
+
+    def load(self, path: str | Path, weights_only: bool = False) -> None:
+        """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.task.load_state_dict(state["model"])
+        if weights_only:
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.global_step = state["epoch"], state["global_step"]
+        self.best, self.batch_in_epoch = state["best"], state.get("batch_in_epoch", 0)
+        self.early.best = state["early_stopping"]["best"]
+        self.early.wait = state["early_stopping"]["wait"]
+        set_rng_state(state["rng"])  # continue the interrupted random streams
+        self.resumed = True
+        log.info(f"Resumed from {path}: epoch {self.epoch}, batch {self.batch_in_epoch}, "
+                 f"step {self.global_step}")  # fmt: skip
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if dist.is_initialized():
+            # Tear down in this order, or gloo can deadlock (seen here, torch 2.13): the last
+            # reference to the process group must not be dropped by the DDP Reducer (its
+            # destructor joins gloo's worker thread while holding the GIL, and that thread may
+            # still need the GIL to free the tensors of a finished collective). So: drop DDP
+            # first (the group's registry keeps it alive), let the worker thread finish
+            # (sleep releases the GIL), then destroy the group.
+            self.model = Step(self.task)
+            time.sleep(0.1)
+            dist.destroy_process_group()
+
+
+class EarlyStopping:
+    """Lightning's EarlyStopping rule: stop after `patience` checks without an improvement of
+    at least `min_delta` in `monitor`."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.best: float | None = None
+        self.wait = 0
+
+    def should_stop(self, metrics: dict[str, float]) -> bool:
+        if not self.cfg or self.cfg.monitor not in metrics:
+            return False
+        value, sign = metrics[self.cfg.monitor], (1 if self.cfg.mode == "min" else -1)
+        if self.best is None or sign * (value - self.best) < -abs(self.cfg.min_delta):
+            self.best, self.wait = value, 0
+        else:
+            self.wait += 1
+        return self.wait >= self.cfg.patience
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors of a (nested) tuple/list/dict batch moved to `device` (Lightning does the same)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def seed_everything(seed: int) -> None:
+    """What lightning's seed_everything does: python, numpy and torch (all devices)."""
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Restore the python, numpy and torch (CPU and CUDA) RNG states on exit."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

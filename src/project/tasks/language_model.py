@@ -1,0 +1,31 @@
+"""Causal language modelling: next-token cross-entropy over every position, perplexity."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import Metric
+from torchmetrics.text import Perplexity
+
+from project.tasks.task import Task
+
+
+class LanguageModel(Task):
+    """`net` maps (batch, time) token ids to (batch, time, vocab) logits; batches are
+    (tokens, the same tokens shifted by one)."""
+
+    def metrics(self, stage: str) -> dict[str, Metric]:
+        # Training perplexity is exp(train/loss) already: computing it per step costs a softmax.
+        return {} if stage == "train" else {"ppl": Perplexity()}
+
+    def step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], metrics: Mapping[str, Metric]
+    ) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        if "ppl" in metrics:
+            metrics["ppl"].update(logits.detach().float(), y)
+        return loss

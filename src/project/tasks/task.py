@@ -1,0 +1,49 @@
+"""The task contract: written once in plain PyTorch, run by both trainers.
+
+A task owns the network and says what one batch computes:
+
+    metrics = task.metrics(stage)        # fresh torchmetrics objects for "train"/"val"/"test"
+    loss = task.step(batch, metrics)     # the batch's mean loss; updates `metrics`
+
+The Lightning module (project.engine.module) and the raw trainer (project.engine.raw_trainer)
+are loops around these two calls: both add a "loss" mean to every stage, log each metric as
+`<stage>/<name>`, and let torchmetrics sync the metric states across ranks once per epoch
+(at compute), never per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from torch import nn
+from torchmetrics import Metric
+
+STAGES = ("train", "val", "test")
+
+
+class Task(nn.Module):
+    """Subclass, implement `step`, and return your metrics from `metrics`."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def metrics(self, stage: str) -> dict[str, Metric]:
+        """name -> metric for one stage; logged as `<stage>/<name>` at the epoch's end."""
+        return {}
+
+    def step(self, batch: Any, metrics: Mapping[str, Metric]) -> torch.Tensor:
+        """The mean loss of `batch` (what backward runs on); update `metrics` with detached
+        values."""
+        raise NotImplementedError
+
+
+def build_task(task: Mapping[str, Any], net: Mapping[str, Any]) -> Task:
+    """The task of the `model.task` config around the network of `model.net` (both trainers)."""
+    return instantiate(dict(task), net=instantiate(dict(net)))
