@@ -16,6 +16,10 @@ CONFIG_DIR = ROOT / "configs"
 # Quiet, fast, reproducible children: one thread per rank (2 threads per rank on 2 cores makes
 # DDP ~4x slower and changes losses at 1e-7), no progress bar noise.
 QUIET = ["trainer.enable_progress_bar=false", "callbacks.progress_bar=null"]
+# experiment=charlm, small: 2 epochs of 12 steps of 8 windows of 32 characters, a narrow GPT.
+CHARLM = ["experiment=charlm", "trainer.max_epochs=2", "trainer.limit_train_batches=12",
+          "trainer.limit_val_batches=4", "trainer.limit_test_batches=2", "model.net.d_model=32",
+          "model.net.n_head=2", "data.batch_size=8", "data.dataset.block_size=32"]  # fmt: skip
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from project.launcher import EXIT_PREEMPTED
-from tests.conftest import ROOT, finish, start
+from tests.conftest import CHARLM, ROOT, finish, start
 
 # The CNN has dropout, so exact resume also needs the RNG states back.
 ARGS = ["model=cnn", "trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null"]
@@ -45,12 +45,27 @@ def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[in
     return finish(start([str(ROOT / "launch" / "single_node.sh"), *args], **env), 240)
 
 
-@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
-@pytest.mark.parametrize("accumulate", [1, pytest.param(4, marks=pytest.mark.slow)])
+# The language model, cut to 20 steps per epoch like digits (the step numbers below hold).
+CHARLM = [*CHARLM[:1], "trainer.max_epochs=4", "trainer.limit_train_batches=20", *CHARLM[3:],
+          "test=false", "callbacks.early_stopping=null"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module, accumulate, task",
+    [
+        ("project.train", 1, "digits"),
+        ("project.raw_train", 1, "digits"),
+        ("project.train", 1, "charlm"),
+        pytest.param("project.raw_train", 1, "charlm", marks=pytest.mark.slow),
+        pytest.param("project.train", 4, "digits", marks=pytest.mark.slow),
+        pytest.param("project.raw_train", 4, "digits", marks=pytest.mark.slow),
+    ],
+)
 def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
-    base_args, log_dir, module, accumulate
+    base_args, log_dir, module, accumulate, task
 ) -> None:
-    args = [*base_args, *ARGS, f"trainer.accumulate_grad_batches={accumulate}"]
+    args = [*base_args, *(CHARLM if task == "charlm" else ARGS),
+            f"trainer.accumulate_grad_batches={accumulate}"]  # fmt: skip
     if accumulate > 1:  # checks every 2 windows = 8 batches: a stop never splits a window
         args.append("callbacks.fault_tolerance.check_every_n_steps=2")
     code, out = python_run(module, args, "whole")

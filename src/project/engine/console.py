@@ -6,11 +6,14 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from project.engine.env import is_rank_zero
 from project.engine.errors import UserError
@@ -33,8 +36,6 @@ def quiet_lightning() -> None:
     "lightning" logger, so every Lightning message would print twice (its handler + root's)
     and bypass the rank-zero filter. Root's handlers (configured by Hydra) are enough.
     """
-    import warnings
-
     # lightning 2.6 + torch >= 2.10 warn about a torch pytree API on every run: noise for users.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # Our loaders do resume mid-epoch (FaultTolerance + ResumableSampler skip the batches
@@ -76,9 +77,6 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input, not a bug: reported as one line."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     types: list[type[BaseException]] = [UserError, HydraException, OmegaConfBaseException]
     if "lightning" in sys.modules:  # never import Lightning just to name its exception
         from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -129,7 +127,7 @@ def print_config_tree(
     cfg: DictConfig, order: Sequence[str] = (), save_to: Path | None = None
 ) -> None:
     """Print the composed config as a rich tree (top-level groups first) and save it as text."""
-    import rich
+    import rich  # only when a run starts: entry points import this module before --help
     import rich.syntax
     import rich.tree
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from project.engine.console import fail
 from project.engine.env import Launcher, detect_launcher
@@ -108,8 +109,7 @@ def on_gpu(accelerator: str) -> bool:
 
 
 def _ddp_option_names() -> set[str]:
-    from lightning.pytorch.strategies import DDPStrategy
-    from torch.nn.parallel import DistributedDataParallel
+    from lightning.pytorch.strategies import DDPStrategy  # not at the top: see the docstring
 
     names = set(inspect.signature(DDPStrategy.__init__).parameters)
     names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)

@@ -5,6 +5,7 @@ world size, and the name of the run.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import secrets
@@ -109,8 +110,6 @@ def shared_run_id(fresh_id: str, env: Mapping[str, str] = os.environ) -> str:
     and ranks start in different seconds, so timestamps would split the run folder. The
     first rank to ask stores its id; everyone (restarted workers too) reads that one.
     """
-    import datetime
-
     import torch.distributed as dist  # only here: the rest of this module is torch-free
 
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -101,6 +101,10 @@ class RawTrainer:
         self.task = build_task(cfg.model.task, cfg.model.net).to(self.device)
         self.metrics = {s: stage_metrics(self.task, s).to(self.device) for s in STAGES}
         self.model = self.wrap_model()
+        if self.world > 1:
+            # parity: Lightning's DDP strategy re-seeds (reset_seed) when it sets up the process
+            # group in fit, after the model was built: dropout masks start from the seed.
+            seed_everything(cfg.seed)
         self.optimizer = build_optimizer(self.task.parameters(), to_plain(cfg.model.optimizer))
         built = build_scheduler(self.optimizer, to_plain(cfg.model.get("scheduler")))
         self.scheduler, self.sched_interval, self.sched_every = built or (None, "epoch", 1)
