@@ -11,7 +11,7 @@ import torch
 from project.train import train
 from tests.conftest import read_scalars, run_script
 
-METRIC = re.compile(r"(test/acc|test/loss)=([0-9.]+)")
+METRIC = re.compile(r"(test/[a-z]+)=([0-9.]+)")
 
 
 def logged_metrics(stdout: str) -> dict[str, float]:

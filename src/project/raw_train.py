@@ -19,7 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from project.engine.config import CONFIG_DIR, register_resolvers, to_plain
+from project.engine.config import CONFIG_DIR, check_targets, register_resolvers, to_plain
 from project.engine.console import (
     METRICS_FILE,
     read_metrics,
@@ -41,6 +41,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from project.engine.resume import find_resume
 
     output_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_targets(cfg)
     trainer = RawTrainer(cfg, output_dir)
     metrics: dict[str, float] = {}
     try:

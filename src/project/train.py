@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig
 
-from project.engine.config import CONFIG_DIR, register_resolvers, to_plain
+from project.engine.config import CONFIG_DIR, check_targets, register_resolvers, to_plain
 from project.engine.console import (
     METRICS_FILE,
     print_config_tree,
@@ -59,6 +59,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if (cfg.get("test_ckpt") or "current") not in TEST_CKPTS:
         raise UserError(f"test_ckpt={cfg.test_ckpt!r} is not one of {', '.join(TEST_CKPTS)}")
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
+    check_targets(cfg)
     if hydra_cfg.mode == RunMode.MULTIRUN and topology.world_size > 1:
         if topology.launcher is not None or topology.num_nodes > 1:
             raise UserError(

@@ -4,12 +4,15 @@ this runs before `--help` and `--cfg job` answer.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from project.engine.env import is_rank_zero, run_id
+from project.engine.errors import UserError
 
 # src/project/engine/config.py -> repo root (the folder that holds `configs/`).
 ROOT_DIR = Path(__file__).resolve().parents[3]
@@ -50,3 +53,31 @@ def to_plain(cfg: Any) -> Any:
     if isinstance(cfg, DictConfig) or OmegaConf.is_list(cfg):
         return OmegaConf.to_container(cfg, resolve=True)
     return cfg
+
+
+def targets(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    """(dotted key, class path) of every `_target_` below `node`."""
+    if isinstance(node, DictConfig):
+        for key in node:
+            value = node._get_node(key)
+            if key == "_target_" and isinstance(value._value(), str):
+                yield f"{prefix}{key}", value._value()
+            else:
+                yield from targets(value, f"{prefix}{key}.")
+
+
+def check_targets(cfg: DictConfig, groups: tuple[str, ...] = ("model", "data")) -> None:
+    """Every `_target_` of these groups names something that exists: else one line naming the
+    key, before any process group or data is set up (Hydra would say it deep inside fit)."""
+    for group in groups:
+        for key, target in targets(cfg.get(group), f"{group}."):
+            module, _, name = target.rpartition(".")
+            try:
+                found = hasattr(importlib.import_module(module), name) if module else False
+            except ModuleNotFoundError as err:
+                raise UserError(
+                    f"{key}={target} cannot be imported ({err}): check the module path "
+                    "(your code lives in src/<package>/models, data, tasks)"
+                ) from None
+            if not found:
+                raise UserError(f"{key}={target}: {module or 'no module'} has no {name!r}")
