@@ -6,7 +6,9 @@ Template-only: the generator leaves this file out of the projects it makes.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +90,10 @@ def test_generated_layout_and_names(generated: Path) -> None:
     assert "from mynet.data.digits import" in (generated / "tests/conftest.py").read_text()
     readme = (generated / "README.md").read_text()
     assert readme.startswith("# my-net\n\nDigits, bigger")
+    # The generator is not in the project, so neither is its documentation.
+    assert (
+        "new_project.py" not in readme and "copier" not in readme and "template-only" not in readme
+    )
     assert "make test" in readme and "a new project" not in readme.split("\n")[0]
     for script in ("launch/single_node.sh", "launch/multinode.sh", ".ci/run"):
         assert os.access(generated / script, os.X_OK), script  # executable bits kept
@@ -114,29 +120,74 @@ def isolated_venv(project: Path) -> Path:
     return python
 
 
-@pytest.mark.slow
-def test_generated_project_passes_its_own_fast_suite(generated: Path) -> None:
-    python = isolated_venv(generated)
-    code = "import mynet.train, importlib.util; print(importlib.util.find_spec('project'))"
-    probe = subprocess.run(
-        [str(python), "-c", code],
-        capture_output=True, text=True, cwd=generated,
-    )  # fmt: skip
-    assert probe.returncode == 0 and probe.stdout.strip() == "None", probe.stderr
+def run_in(project: Path, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python args...` with the project's own isolated venv (made once), from its root."""
+    python = project / ".venv" / "bin" / "python"
+    if not python.exists():
+        isolated_venv(project)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
-    run = subprocess.run(
-        [str(python), "train.py", "trainer.fast_dev_run=1"], cwd=generated, env=env,
-        capture_output=True, text=True, timeout=300,
+    env.pop("RUN_ID", None)
+    return subprocess.run(
+        [str(python), *args], cwd=project, env=env, capture_output=True, text=True,
+        timeout=timeout,
     )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_generated_project_passes_its_own_fast_suite(generated: Path) -> None:
+    code = "import mynet.train, importlib.util; print(importlib.util.find_spec('project'))"
+    probe = run_in(generated, ["-c", code])
+    assert probe.returncode == 0 and probe.stdout.strip() == "None", probe.stderr
+    run = run_in(generated, ["train.py", "trainer.fast_dev_run=1"])
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    suite = subprocess.run(
-        [str(python), "-m", "pytest", "-x", "-q", "-m", "not slow and not distributed",
-         "-p", "no:cacheprovider"],
-        cwd=generated, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+    suite = run_in(generated, ["-m", "pytest", "-x", "-q", "-m", "not slow and not distributed",
+                               "-p", "no:cacheprovider"], timeout=1200)  # fmt: skip
     assert suite.returncode == 0, suite.stdout[-4000:]
     assert " passed" in suite.stdout
+
+
+GUIDE = re.compile(r"^```(?:python|yaml) (\S+)\n(.*?)^```$", re.M | re.S)
+
+
+@pytest.mark.slow
+def test_the_add_your_own_guide_followed_literally(tmp_path_factory) -> None:
+    """README's worked example, block by block, in a fresh generated project: a regression
+    task trains with both trainers on 1 and 2 processes with bitwise equal losses."""
+    project = tmp_path_factory.mktemp("guide") / "reg"
+    proc = new_project(str(project), "--package", "mynet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    readme = (project / "README.md").read_text()
+    section = readme.split("### Worked example")[1].split("\n## ")[0]
+    blocks = GUIDE.findall(section)
+    assert len(blocks) == 5, [path for path, _ in blocks]  # 2 Python files + 3 configs
+    for path, text in blocks:
+        assert not (project / path).exists(), f"the guide overwrites {path}"
+        (project / path).write_text(text)
+    losses = {}
+    for nproc in (1, 2):
+        for module in ("mynet.train", "mynet.raw_train"):
+            run_dir = project / "runs" / f"{module}-{nproc}"
+            launch = (
+                ["-m", module]
+                if nproc == 1
+                else [
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    "-m",
+                    module,
+                ]
+            )
+            run = run_in(project, [*launch, "experiment=diabetes", "trainer.max_epochs=4",
+                                   "step_stats=true", f"hydra.run.dir={run_dir}",
+                                   "trainer.enable_progress_bar=false"])  # fmt: skip
+            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+            losses[module, nproc] = json.loads((run_dir / "step_stats.json").read_text())["losses"]
+            assert "test/r2" in json.loads((run_dir / "metrics.json").read_text())
+        assert len(losses["mynet.train", nproc]) >= 20
+        assert losses["mynet.train", nproc] == losses["mynet.raw_train", nproc]  # bitwise
 
 
 @pytest.mark.skipif(importlib.util.find_spec("copier") is None, reason="copier is not installed")
@@ -158,14 +209,17 @@ def test_copier_copy_then_update_keeps_the_name(tmp_path: Path) -> None:
          str(template), str(dest)], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert copy.returncode == 0, copy.stdout[-2000:] + copy.stderr[-2000:]
-    assert (dest / "src" / "mynet" / "nets.py").is_file() and not (
-        dest / "src" / "project"
-    ).exists()
+    assert (dest / "src" / "mynet" / "models" / "mlp.py").is_file()
+    assert not (dest / "src" / "project").exists()
+    for kept in ("configs/data/digits.yaml", "src/mynet/data/digits.py"):
+        assert (dest / kept).is_file(), f"copier dropped {kept}"
+    run = run_in(dest, ["train.py", "trainer.fast_dev_run=1"])  # the copy trains as it is
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     subprocess.run([*GIT, "-C", str(dest), "add", "-A"], check=True)
     subprocess.run([*GIT, "-C", str(dest), "commit", "-qm", "generated"], check=True)
 
     # A template improvement, released as v2.
-    nets = template / "src" / "project" / "nets.py"
+    nets = template / "src" / "project" / "models" / "mlp.py"
     nets.write_text(nets.read_text() + "\n\nTEMPLATE_V2 = True\n")
     subprocess.run([*GIT, "-C", str(template), "commit", "-qam", "v2"], check=True)
     subprocess.run(["git", "-C", str(template), "tag", "v2"], check=True)
@@ -175,7 +229,7 @@ def test_copier_copy_then_update_keeps_the_name(tmp_path: Path) -> None:
         timeout=300,
     )  # fmt: skip
     assert update.returncode == 0, update.stdout[-2000:] + update.stderr[-2000:]
-    assert "TEMPLATE_V2 = True" in (dest / "src" / "mynet" / "nets.py").read_text()
+    assert "TEMPLATE_V2 = True" in (dest / "src" / "mynet" / "models" / "mlp.py").read_text()
     assert not (dest / "src" / "project").exists()  # still the generated project's name
     assert "_commit: v2" in (dest / ".copier-answers.yml").read_text()
     assert "_target_: mynet.nets.MLP" in (dest / "configs" / "model" / "mlp.yaml").read_text()

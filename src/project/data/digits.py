@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from project.data.source import SPLITS, DataSource, check_writable, save_array
+from project.data.source import SPLITS, DataSource, check_writable, save_array, split_indices
 
 FEATURES_FILE = "digits_x.npy"
 TARGETS_FILE = "digits_y.npy"
@@ -31,20 +31,6 @@ def materialise(data_dir: str | Path) -> Path:
     save_array(data_dir / FEATURES_FILE, (digits.data / 16.0).astype(np.float32))
     save_array(data_dir / TARGETS_FILE, digits.target.astype(np.int64))
     return data_dir
-
-
-def split_indices(
-    n: int, val_fraction: float, test_fraction: float, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A deterministic train/val/test split of `range(n)` that depends on `seed` only."""
-    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-        raise ValueError(
-            f"val_fraction={val_fraction} and test_fraction={test_fraction} must be in [0, 1) "
-            "and sum to less than 1"
-        )
-    perm = np.random.default_rng(seed).permutation(n)
-    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
-    return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
 
 
 class DigitsDataset(Dataset):

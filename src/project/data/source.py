@@ -32,6 +32,20 @@ class DataSource:
         raise NotImplementedError
 
 
+def split_indices(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A deterministic train/val/test split of `range(n)` that depends on `seed` only."""
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"val_fraction={val_fraction} and test_fraction={test_fraction} must be in [0, 1) "
+            "and sum to less than 1"
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
+
+
 def check_writable(data_dir: str | Path) -> None:
     """Fail with a one-line fix when `data_dir` cannot be created or written."""
     data_dir = Path(data_dir)
