@@ -232,4 +232,4 @@ def test_copier_copy_then_update_keeps_the_name(tmp_path: Path) -> None:
     assert "TEMPLATE_V2 = True" in (dest / "src" / "mynet" / "models" / "mlp.py").read_text()
     assert not (dest / "src" / "project").exists()  # still the generated project's name
     assert "_commit: v2" in (dest / ".copier-answers.yml").read_text()
-    assert "_target_: mynet.nets.MLP" in (dest / "configs" / "model" / "mlp.yaml").read_text()
+    assert "_target_: mynet.models.mlp.MLP" in (dest / "configs" / "model" / "mlp.yaml").read_text()
