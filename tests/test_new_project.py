@@ -180,9 +180,10 @@ def test_the_add_your_own_guide_followed_literally(tmp_path_factory) -> None:
                     module,
                 ]
             )
-            run = run_in(project, [*launch, "experiment=diabetes", "trainer.max_epochs=4",
-                                   "step_stats=true", f"hydra.run.dir={run_dir}",
-                                   "trainer.enable_progress_bar=false"])  # fmt: skip
+            args = ["experiment=diabetes", "trainer.max_epochs=4", "step_stats=true",
+                    f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false",
+                    "callbacks.progress_bar=null"]  # fmt: skip
+            run = run_in(project, [*launch, *args])
             assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
             losses[module, nproc] = json.loads((run_dir / "step_stats.json").read_text())["losses"]
             assert "test/r2" in json.loads((run_dir / "metrics.json").read_text())
