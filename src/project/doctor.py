@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from project.engine import env as launcher_env
 from project.engine.config import ROOT_DIR, run_id
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCH_NCCL_", "MASTER_", "CUDA_VISIBLE")
@@ -519,10 +520,9 @@ class Rank:
     def __init__(self, env: os._Environ[str] | dict[str, str], backend: str) -> None:
         import torch
 
-        self.rank, self.world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        self.local_rank = int(env.get("LOCAL_RANK", 0))
-        self.local_world = int(env.get("LOCAL_WORLD_SIZE", 1))
-        self.node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", 0)))
+        self.rank, self.world = launcher_env.rank(env), launcher_env.world_size(env)
+        self.local_rank, self.node_rank = launcher_env.local_rank(env), launcher_env.node_rank(env)
+        self.local_world = launcher_env.local_world_size(env)
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl" and not torch.cuda.is_available():

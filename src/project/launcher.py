@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from project.engine.env import rank
+
 EXIT_DIR_ENV = "PROJECT_EXIT_DIR"
 EXIT_BAD_INPUT = 2  # as project.engine.console.fail: the worker printed one line saying why
 # A run that stopped on SIGTERM/SIGUSR1/SIGINT after saving its checkpoint: run the same command
@@ -60,8 +62,7 @@ def report_exit() -> Iterator[None]:
     finally:
         folder = os.environ.get(EXIT_DIR_ENV)
         if folder and os.path.isdir(folder):
-            rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
-            Path(folder, f"rank-{rank}").write_text(str(code))
+            Path(folder, f"rank-{rank()}").write_text(str(code))
 
 
 def worker_exits(folder: str) -> dict[int, int]:

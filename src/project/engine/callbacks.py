@@ -37,7 +37,7 @@ class FaultTolerance(pl.Callback):
       ModelCheckpoint(save_last=True) is not used for this: in 2.6 it refreshes last.ckpt only
       when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
     - Exact resume: the RNG states travel in the checkpoint, and a mid-epoch checkpoint makes
-      the resumed epoch skip the batches already trained on (project.engine.sharding.ResumableSampler).
+      the resumed epoch skip the batches already trained on (engine.sharding.ResumableSampler).
     """
 
     def __init__(

@@ -28,6 +28,16 @@ def world_size(env: Mapping[str, str] = os.environ) -> int:
     return int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
 
 
+def local_world_size(env: Mapping[str, str] = os.environ) -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, srun's SLURM_NTASKS_PER_NODE."""
+    return int(env.get("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", 1)))
+
+
+def node_rank(env: Mapping[str, str] = os.environ) -> int:
+    """torchrun's GROUP_RANK, Lightning's NODE_RANK, srun's SLURM_NODEID."""
+    return int(env.get("GROUP_RANK", env.get("NODE_RANK", env.get("SLURM_NODEID", 0))))
+
+
 @dataclass(frozen=True)
 class Launcher:
     """The processes an external launcher started: `devices` per node on `num_nodes` nodes."""

@@ -1,0 +1,69 @@
+"""The layout promises: your code apart from the machinery, no import loops, light modules."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "src" / "project"
+
+
+def module_name(path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def project_imports(lazy: bool = False) -> dict[str, set[str]]:
+    """project module -> the project modules it imports (at module level, or anywhere)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in ast.walk(tree) if lazy else tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("project"):
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("project")}
+        graph[module_name(path)] = deps
+    return {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+
+
+def test_no_import_loops() -> None:
+    """Also through imports inside functions: a loop there breaks the first call that runs
+    before its modules are loaded."""
+    graph = project_imports(lazy=True)
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, "import loop: " + " -> ".join([*path, module])
+        if module in done:
+            return
+        for dep in graph[module]:
+            visit(dep, [*path, module])
+        done.add(module)
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_your_code_does_not_depend_on_the_machinery() -> None:
+    """models/, data/, tasks/ are plain PyTorch: besides each other they may only use the
+    one-line error type."""
+    mine = ("project.models", "project.data", "project.tasks")
+    for module, deps in project_imports().items():
+        if module.startswith(mine):
+            machinery = {d for d in deps if not d.startswith(mine)}
+            assert machinery <= {"project.engine", "project.engine.errors"}, (module, machinery)
+
+
+def test_launcher_environment_is_read_without_torch() -> None:
+    code = (
+        "import sys, project.engine.env, project.engine.config, project.engine.console, "
+        "project.launcher; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
