@@ -38,9 +38,6 @@ def quiet_lightning() -> None:
     """
     # lightning 2.6 + torch >= 2.10 warn about a torch pytree API on every run: noise for users.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    # Our loaders do resume mid-epoch (FaultTolerance + ResumableSampler skip the batches
-    # already trained on), which Lightning cannot see: its warning would mislead.
-    warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()

@@ -116,12 +116,22 @@ def _unshardable(loader: DataLoader) -> str | None:
 _warned: set[str] = set()
 
 
+def resumes_exactly() -> None:
+    """The train loader's order resumes mid-epoch (FaultTolerance makes the ResumableSampler
+    skip the batches already trained on), which Lightning cannot see: its "dataloader is not
+    resumable" warning would mislead. For other loaders it stays."""
+    warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
+
+
 def shard_loader(loader: Any, stage: str, world: int, rank: int, seed: int) -> Any:
     """`loader` sharded over `world` ranks for `stage` ("train", "val", "test")."""
     if not isinstance(loader, DataLoader):
         return loader  # not a DataLoader (e.g. a list of batches): the user's own business
     sampler, train = loader.sampler, stage == "train"
-    if isinstance(sampler, (ResumableSampler, EvalShardSampler)):
+    if isinstance(sampler, ResumableSampler):
+        resumes_exactly()
+        return loader
+    if isinstance(sampler, EvalShardSampler):
         return loader
     if isinstance(sampler, DistributedSampler):
         if sampler.num_replicas != world:
@@ -138,8 +148,7 @@ def shard_loader(loader: Any, stage: str, world: int, rank: int, seed: int) -> A
         if train:
             shuffle = isinstance(sampler, RandomSampler)
             new: Sampler = ResumableSampler(loader.dataset, world, rank, shuffle, seed)
-            # Lightning cannot see that this order resumes mid-epoch: its warning would mislead.
-            warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
+            resumes_exactly()
         else:
             new = EvalShardSampler(loader.dataset, world, rank)
         return _rebuild(loader, new, seed)
