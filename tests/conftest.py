@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -121,12 +122,45 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+DISTRIBUTED_TIMEOUT_S = 300  # a 2-process test here takes well under a minute
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tighter limits for the distributed tests (unless a test sets its own)."""
+    for item in items:
+        if item.get_closest_marker("distributed") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT_S))
+
+
+STARTED: list[subprocess.Popen[str]] = []  # this test's process groups (see reap_processes)
+
+
 def start(cmd: Sequence[str], **env: str) -> subprocess.Popen[str]:
     """Start `cmd` from the repo root in its own process group (so a test can see strays)."""
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         list(cmd), cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def reap_processes() -> Iterator[None]:
+    """Whatever ends a test (a failure, pytest-timeout's limit), the process groups it started
+    are killed afterwards, and the output of any still running is printed (pytest shows it
+    with the failure)."""
+    import signal
+
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None or group_alive(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ValueError, subprocess.TimeoutExpired):
+                out, _ = proc.communicate(timeout=10)
+                print(f"--- killed after the test: {' '.join(proc.args)}\n{(out or '')[-3000:]}")
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str]:

@@ -65,16 +65,18 @@ def test_unwritable_data_dir(tmp_path, log_dir) -> None:
     assert_one_line_error(proc, "data_dir", str(blocker), "paths.data_dir=")
 
 
-def test_eval_without_ckpt_path() -> None:
-    assert_one_line_error(run_script("eval.py", []), "ckpt_path is required")
+def test_eval_without_ckpt_path(log_dir) -> None:
+    proc = run_script("eval.py", [f"paths.log_dir={log_dir}"])  # no run folder in the repo
+    assert_one_line_error(proc, "ckpt_path is required")
 
 
-def test_eval_missing_checkpoint(tmp_path) -> None:
-    proc = run_script("eval.py", [f"ckpt_path={tmp_path}/nope.ckpt"])
+def test_eval_missing_checkpoint(tmp_path, log_dir) -> None:
+    proc = run_script("eval.py", [f"ckpt_path={tmp_path}/nope.ckpt", f"paths.log_dir={log_dir}"])
     assert_one_line_error(proc, "does not exist")
 
 
-def test_eval_not_a_checkpoint(tmp_path) -> None:
+def test_eval_not_a_checkpoint(tmp_path, log_dir) -> None:
     fake = tmp_path / "fake.ckpt"
     fake.write_text("hello")
-    assert_one_line_error(run_script("eval.py", [f"ckpt_path={fake}"]), "cannot be read")
+    proc = run_script("eval.py", [f"ckpt_path={fake}", f"paths.log_dir={log_dir}"])
+    assert_one_line_error(proc, "cannot be read")

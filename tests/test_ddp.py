@@ -87,7 +87,7 @@ def test_multi_process_gets_configured_ddp() -> None:
     assert isinstance(strategy, DDPStrategy)
     assert strategy._ddp_kwargs == {
         "find_unused_parameters": True, "gradient_as_bucket_view": False,
-        "static_graph": True, "bucket_cap_mb": 5, "broadcast_buffers": True,
+        "static_graph": True, "bucket_cap_mb": 5,
     }  # fmt: skip
     assert strategy._timeout.total_seconds() == 600
 

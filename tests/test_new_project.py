@@ -135,6 +135,7 @@ def run_in(project: Path, args: list[str], timeout: float = 300) -> subprocess.C
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # runs a whole test suite of its own
 def test_generated_project_passes_its_own_fast_suite(generated: Path) -> None:
     code = "import mynet.train, importlib.util; print(importlib.util.find_spec('project'))"
     probe = run_in(generated, ["-c", code])

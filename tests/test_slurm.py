@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import QUIET, ROOT, child_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+# The first test also installs and starts a real SLURM (up to 15 min on a fresh machine).
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1800)]
 
 
 def sh(*cmd: str, timeout: float = 60) -> str:

@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from project.engine.config import CONFIG_DIR, register_resolvers, to_plain
-from project.engine.console import report_user_errors, run_cli
+from project.engine.console import quiet_lightning, report_user_errors, run_cli
 from project.engine.errors import UserError
 
 log = logging.getLogger("project.eval")
@@ -77,6 +77,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from project.engine.module import TaskModule
     from project.train import instantiate_all
 
+    quiet_lightning()  # after Lightning's import: each of its lines once, rank 0 only
     ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
     ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)
     datamodule = DataModule(**data_config(ckpt, cfg))

@@ -31,6 +31,13 @@ class RankZeroFilter(logging.Filter):
         return is_rank_zero()
 
 
+class DropAdverts(logging.Filter):
+    """Lightning 2.6 advertises its cloud products ("Tip: ... litlogger") on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip: For seamless cloud" not in str(record.msg)
+
+
 def quiet_lightning() -> None:
     """Call after importing Lightning: `import lightning` attaches its own console handler to the
     "lightning" logger, so every Lightning message would print twice (its handler + root's)
@@ -38,6 +45,11 @@ def quiet_lightning() -> None:
     """
     # lightning 2.6 + torch >= 2.10 warn about a torch pytree API on every run: noise for users.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # Printed on any machine with SLURM installed, also where it is not used (tests, laptops
+    # with a cluster client): the launch scripts choose srun where it is meant.
+    warnings.filterwarnings("ignore", message=r".*The `srun` command is available")
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(DropAdverts())
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()

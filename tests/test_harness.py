@@ -1,0 +1,41 @@
+"""The test harness itself: a hung test fails, and nothing it started outlives it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT, child_env
+
+
+def test_a_hung_test_fails_and_its_processes_are_killed(tmp_path) -> None:
+    pid_file = tmp_path / "child.pid"
+    hung = tmp_path / "test_hung.py"
+    hung.write_text(
+        textwrap.dedent(f"""
+        import sys
+        import pytest
+        from tests.conftest import start
+
+        @pytest.mark.timeout(3)
+        def test_hangs():
+            code = ("import os, time; print('child says hi', flush=True); "
+                    "open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)")
+            start([sys.executable, "-c", code]).wait()
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(hung), "-p", "tests.conftest", "-p",
+         "no:cacheprovider", "-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "Timeout" in proc.stdout and "child says hi" in proc.stdout, proc.stdout[-3000:]
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    raise AssertionError(f"the hung test's child {pid} is still running")
