@@ -32,17 +32,21 @@ train: $(STAMP)
 eval: $(STAMP)
 	$(PY) eval.py $(ARGS)
 
-# The default suite: everything but the tests marked slow (README: Development);
-# test-slow: the rest (the generated project's own suite, two-node parity, a real SLURM).
+# test: the fast tier (tests marked quick: configs, bad input, one 2-process DDP run with its
+# parity check, one resume) and a line with its wall time. test-all: every test (what .ci/run
+# runs). test-slow: only the slow end-to-end ones (README: Development).
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest -m quick $(PYTEST_ARGS); code=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s wall (the quick tier; make test-all runs every test)"; \
+	exit $$code
 
 # pytest exits 5 when no test is marked slow: that is not a failure.
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
+	echo "make test-all: $$(( $$(date +%s) - start )) s wall (every test)"; exit $$code
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

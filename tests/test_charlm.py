@@ -14,6 +14,7 @@ from tests.test_cli import assert_one_line_error
 from tests.test_train import logged_metrics
 
 
+@pytest.mark.quick
 def test_corpus_ships_with_python_and_splits_contiguously() -> None:
     corpus = CharCorpus(block_size=32)
     splits = corpus.splits()

@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import ROOT, child_env, run_script
 
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
+
 
 def imported_modules(args: list[str]) -> set[str]:
     """Top-level modules imported by `python train.py args` (via -X importtime)."""

@@ -12,6 +12,8 @@ from project.engine import ddp
 from project.train import instantiate_all
 from tests.conftest import CONFIG_DIR
 
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
+
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))

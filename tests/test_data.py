@@ -9,6 +9,8 @@ import pytest
 
 from project.data import digits
 
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
+
 
 def test_materialise_writes_once_and_atomically(tmp_path: Path, monkeypatch) -> None:
     out = digits.materialise(tmp_path / "d")

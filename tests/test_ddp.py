@@ -14,6 +14,9 @@ TORCHRUN_2x1 = {"TORCHELASTIC_RUN_ID": "abc", "LOCAL_WORLD_SIZE": "2", "WORLD_SI
 TORCHRUN_1x2 = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
 
 
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
+
+
 def trainer_cfg(**kw):
     return OmegaConf.create({"devices": "auto", "num_nodes": "auto", "accelerator": "cpu", **kw})
 

@@ -53,7 +53,7 @@ CHARLM = [*CHARLM[:1], "trainer.max_epochs=4", "trainer.limit_train_batches=20",
 @pytest.mark.parametrize(
     "module, accumulate, task",
     [
-        ("project.train", 1, "digits"),
+        pytest.param("project.train", 1, "digits", marks=pytest.mark.quick),
         ("project.raw_train", 1, "digits"),
         ("project.train", 1, "charlm"),
         pytest.param("project.raw_train", 1, "charlm", marks=pytest.mark.slow),

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import ROOT, child_env
+
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
 
 def test_a_hung_test_fails_and_its_processes_are_killed(tmp_path) -> None:

@@ -6,7 +6,11 @@ import ast
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
 PACKAGE = ROOT / "src" / "project"
 

@@ -31,6 +31,7 @@ def all_option_overrides() -> list[list[str]]:
     return [[]] + [[f"{g}={o}"] for g in groups for o in options(g)]
 
 
+@pytest.mark.quick
 def test_every_config_key_is_classified_by_the_raw_trainer(compose_train) -> None:
     """A key that changes Lightning's training but that the raw trainer ignores fails here:
     add it to project.raw_train.CONSUMED (and implement it) or PRESENTATION/REFUSED."""
@@ -41,6 +42,7 @@ def test_every_config_key_is_classified_by_the_raw_trainer(compose_train) -> Non
     assert not unknown, f"config keys the raw trainer does not classify: {sorted(unknown)}"
 
 
+@pytest.mark.quick
 def test_classification_catches_a_new_key() -> None:
     assert classify("trainer.max_epochs") == "consumed"
     assert classify("model.net.hidden") == "consumed"  # handed whole to the shared builder
@@ -59,6 +61,7 @@ def test_classification_catches_a_new_key() -> None:
     assert classify("logger.mlflow.tracking_uri") == "presentation"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "group, adapter",
     [("model", "project.engine.module.TaskModule"),
@@ -123,6 +126,7 @@ def test_parity_one_process_cnn_accumulation_clipping(base_args, tmp_path) -> No
                              "trainer.gradient_clip_val=0.5", "model/scheduler=step"])  # fmt: skip
 
 
+@pytest.mark.quick  # the fast tier's DDP run and parity check
 @pytest.mark.distributed
 def test_parity_two_processes_charlm(base_args, tmp_path) -> None:
     """The Transformer LM (embeddings, tied weights, attention dropout) under 2-process DDP."""

@@ -22,6 +22,7 @@ def indices(loader: DataLoader) -> list[int]:
     return [int(i) for (batch,) in loader for i in batch]
 
 
+@pytest.mark.quick
 def test_a_plain_shuffled_loader_is_sharded_and_resumable() -> None:
     plain = DataLoader(DATA, batch_size=10, shuffle=True, drop_last=False)
     shards = [shard_loader(plain, "train", 2, r, seed=3) for r in (0, 1)]
@@ -35,6 +36,7 @@ def test_a_plain_shuffled_loader_is_sharded_and_resumable() -> None:
     assert indices(shards[0]) == seen[0][20:]  # a mid-epoch resume continues where it was
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_evaluation_counts_every_sample_once(world: int) -> None:
     plain = DataLoader(DATA, batch_size=8)
@@ -46,6 +48,7 @@ def test_evaluation_counts_every_sample_once(world: int) -> None:
     assert seen == collections.Counter(range(101))
 
 
+@pytest.mark.quick
 def test_a_padded_distributed_sampler_for_validation_is_replaced() -> None:
     from torch.utils.data import DistributedSampler
 
@@ -58,6 +61,7 @@ class Stream(IterableDataset):
         return iter(range(10))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "loader, what",
     [

@@ -72,15 +72,17 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
+    ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)  # before Lightning loads
+    data = data_config(ckpt, cfg)
+
     from project.engine import ddp
     from project.engine.datamodule import DataModule, shard_datamodule
     from project.engine.module import TaskModule
     from project.train import instantiate_all
 
     quiet_lightning()  # after Lightning's import: each of its lines once, rank 0 only
-    ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
-    ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)
-    datamodule = DataModule(**data_config(ckpt, cfg))
+    datamodule = DataModule(**data)
     shard_datamodule(datamodule, cfg.seed)
     model = TaskModule(**ckpt["hyper_parameters"])
     model.load_state_dict(ckpt["state_dict"])
