@@ -79,6 +79,7 @@ def test_what_cannot_be_sharded_stops_a_multi_process_run(
     assert "not exact" in caplog.text  # ... with one warning about mid-epoch resume
 
 
+@pytest.mark.distributed
 def test_a_user_datamodule_is_sharded_under_ddp(tmp_path: Path, base_args) -> None:
     """A LightningDataModule returning DataLoader(dataset, shuffle=True), as Lightning's docs
     write it, under 2-process torchrun: the ranks split the train set and every validation
