@@ -70,12 +70,12 @@ class CharCorpus(DataSource):
                 f"data.dataset val_fraction={val_fraction} and test_fraction={test_fraction} "
                 "must be in (0, 1) and sum to less than 1"
             )
-        self.path, self.block_size = path, block_size
-        self.fractions = (val_fraction, test_fraction)
-        read_corpus(path)  # an unreadable corpus fails now, before any process starts
+        self.block_size, self.fractions = block_size, (val_fraction, test_fraction)
+        # Read once, here: an unreadable corpus fails before any process starts.
+        self.tokens = np.frombuffer(read_corpus(path), dtype=np.uint8)
 
     def splits(self) -> dict[str, np.ndarray]:
-        tokens = np.frombuffer(read_corpus(self.path), dtype=np.uint8)
+        tokens = self.tokens
         n_val, n_test = (round(len(tokens) * f) for f in self.fractions)
         n_train = len(tokens) - n_val - n_test
         bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val),

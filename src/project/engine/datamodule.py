@@ -33,9 +33,20 @@ def build_source(dataset: Any) -> DataSource:
     return source
 
 
-def plain_loader(dataset: Any, stage: str, batch_size: int, **loading: Any) -> DataLoader:
-    """What a user would write: shuffled for training, in order otherwise."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=stage == "train", **loading)
+def plain_loader(
+    dataset: Any,
+    stage: str,
+    batch_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+) -> DataLoader:
+    """What a user would write: shuffled for training, in order otherwise (both trainers'
+    loaders, from the `data` config's loading keys)."""
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers,
+        pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0,
+    )  # fmt: skip
 
 
 class DataModule(pl.LightningDataModule):
@@ -65,8 +76,8 @@ class DataModule(pl.LightningDataModule):
     def _loader(self, stage: str) -> DataLoader:
         h = self.hparams
         return plain_loader(
-            self.sets[stage], stage, h.batch_size, num_workers=h.num_workers,
-            pin_memory=h.pin_memory, persistent_workers=h.persistent_workers and h.num_workers > 0,
+            self.sets[stage], stage, h.batch_size, h.num_workers, h.pin_memory,
+            h.persistent_workers,
         )  # fmt: skip
 
     def train_dataloader(self) -> DataLoader:

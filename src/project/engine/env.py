@@ -106,11 +106,9 @@ def is_rank_zero() -> bool:
     torchrun and SLURM set RANK / SLURM_PROCID; Lightning's own launcher sets only LOCAL_RANK
     and NODE_RANK on the processes it starts.
     """
-    for key in ("RANK", "SLURM_PROCID"):
-        if key in os.environ:
-            return int(os.environ[key]) == 0
-    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(node) == 0
+    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        return rank() == 0
+    return local_rank() == 0 and node_rank() == 0
 
 
 def shared_run_id(fresh_id: str, env: Mapping[str, str] = os.environ) -> str:

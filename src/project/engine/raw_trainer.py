@@ -160,11 +160,10 @@ class RawTrainer:
         if self.local_rank == 0:
             source.prepare()
         self.barrier()
-        loading = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
-                   "persistent_workers": d.persistent_workers and d.num_workers > 0}  # fmt: skip
+        loading = (d.batch_size, d.num_workers, d.pin_memory, d.persistent_workers)
         self.loaders = {
-            s: shard_loader(plain_loader(source.dataset(s), s, d.batch_size, **loading), s,
-                            self.world, self.rank, self.cfg.seed)
+            s: shard_loader(plain_loader(source.dataset(s), s, *loading), s, self.world,
+                            self.rank, self.cfg.seed)
             for s in SPLITS
         }  # fmt: skip
 
