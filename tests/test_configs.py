@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 
 from project.engine import ddp
+from project.engine.tracking import MLflowRun
 from project.train import instantiate_all
 from tests.conftest import CONFIG_DIR
 
@@ -89,11 +90,14 @@ def test_callbacks_options(compose_train, option: str) -> None:
 
 
 @pytest.mark.parametrize("option", options("logger"))
-def test_logger_options(compose_train, option: str) -> None:
-    cfg = compose_train([f"logger={option}"])
+def test_logger_options(compose_train, option: str, tmp_path: Path) -> None:
+    cfg = compose_train([f"logger={option}", f"paths.log_dir={tmp_path / 'logs'}"])
     loggers = instantiate_all(cfg.logger)
-    for lg in loggers:  # every logger writes into the run folder
-        assert Path(lg.save_dir) == Path(cfg.paths.output_dir)
+    for lg in loggers:  # every logger writes into the run folder (MLflow: a store beside)
+        if isinstance(lg, MLflowRun):
+            assert lg.run_dir == cfg.paths.output_dir and str(tmp_path) in lg._tracking_uri
+        else:
+            assert Path(lg.save_dir) == Path(cfg.paths.output_dir)
 
 
 @pytest.mark.parametrize("option", options("experiment") + options("debug"))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import inspect
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import QUIET, ROOT
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -71,3 +73,27 @@ def test_launcher_environment_is_read_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_raw_trainer_never_imports_lightning(data_dir, tmp_path) -> None:
+    """A whole raw run (checks, data, loop, test) without Lightning: importing it would add
+    seconds to every start of a trainer that does not use it."""
+    code = (
+        "import atexit, sys; from project.raw_train import main; "
+        "atexit.register(lambda: print('LOADED', sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('lightning', 'pytorch_lightning')))); main()"
+    )
+    args = [f"paths.data_dir={data_dir}", f"hydra.run.dir={tmp_path}", "trainer.max_epochs=1",
+            "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", *QUIET]  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "LOADED []" in out.stdout, out.stdout[-500:]
+
+
+def test_ddp_options_read_from_source_match_the_imported_signature() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from project.engine.ddp import _ddp_strategy_arguments
+
+    assert _ddp_strategy_arguments() == set(inspect.signature(DDPStrategy.__init__).parameters)

@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from project.engine.raw_keys import classify
+from project.engine.schema import check_schema
 from tests.conftest import CHARLM, ROOT, finish, free_port, run_script, start
 from tests.test_configs import options
 
@@ -39,6 +40,7 @@ def test_every_config_key_is_classified_by_the_raw_trainer(compose_train) -> Non
     for overrides in all_option_overrides():
         cfg = compose_train(overrides)
         unknown |= {k for k in leaf_keys(cfg) if classify(k) is None}
+        check_schema(cfg)  # composed once, checked twice: every shipped option is well typed
     assert not unknown, f"config keys the raw trainer does not classify: {sorted(unknown)}"
 
 
@@ -186,6 +188,7 @@ def test_raw_trainer_resumes_from_its_checkpoint(base_args, tmp_path) -> None:
 
 
 def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")  # dev installs it (.[plot])
     args = ["--repeats", "1", "--warmup", "5", *base_args, "trainer.max_epochs=2"]
     proc = run_script("-m project.compare", args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -198,3 +201,5 @@ def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
     assert "| steady step time (ms, median) |" in (out_dir / "compare.md").read_text()
     for trainer in ("lightning", "raw"):  # both trainers' curves under the compare folder
         assert list((out_dir / trainer / "r0" / "tensorboard").glob("events.out.tfevents.*"))
+    image = plt.imread(out_dir / "compare.png")  # a real PNG: losses and step-time panels
+    assert image.shape[:2] == (400, 1100) and image.std() > 0.05

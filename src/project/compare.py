@@ -6,7 +6,8 @@
                                      # made by launch/multinode.sh with step_stats=true
 
 Repetitions are interleaved (L, raw, raw, L, ...) so that a slow phase of the machine hits
-both. Writes compare.md and compare.json into logs/compare/runs/<run id>/, with each
+both. Writes compare.md, compare.json and compare.png (losses overlaid, step-time histograms;
+needs matplotlib: pip install -e ".[plot]") into logs/compare/runs/<run id>/, with each
 trainer's runs below it: `tensorboard --logdir <that folder>` shows both trainers' curves.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 from project.bench.step_stats import STATS_FILE
 from project.engine.config import CONFIG_DIR, register_resolvers, run_id
 from project.engine.console import fail, read_metrics
+from project.engine.schema import check_schema
 
 TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
 
@@ -75,11 +77,10 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 def steady_step_s(stats: dict[str, Any], warmup: int) -> float:
     """Median time between consecutive step starts after `warmup` steps (epoch boundaries,
     with validation in them, are a few outliers the median ignores)."""
-    starts = stats["step_starts_s"][warmup:]
-    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    gaps = step_gaps_ms(stats, warmup)
     if not gaps:
         fail(f"only {len(stats['step_starts_s'])} steps ran: need more than --warmup={warmup}")
-    return statistics.median(gaps)
+    return statistics.median(gaps) / 1000
 
 
 def summarise(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
@@ -158,6 +159,37 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def step_gaps_ms(stats: dict[str, Any], warmup: int) -> list[float]:
+    starts = stats["step_starts_s"][warmup:]
+    return [1000 * (b - a) for a, b in itertools.pairwise(starts)]
+
+
+def plot(results: dict[str, list[dict[str, Any]]], warmup: int, path: Path) -> Path | None:
+    """compare.png: both trainers' per-step losses overlaid (first repeat) and their step-time
+    distributions (every repeat, after the warm-up). None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (losses, times) = plt.subplots(1, 2, figsize=(11, 4))
+    styles = {"lightning": {"lw": 2.5, "alpha": 0.6}, "raw": {"lw": 1, "ls": "--"}}
+    for name, runs in results.items():
+        losses.plot(runs[0]["stats"]["losses"], label=name, **styles[name])
+        gaps = [g for r in runs for g in step_gaps_ms(r["stats"], warmup)]
+        times.hist(gaps, bins=40, alpha=0.5, label=f"{name} (median {statistics.median(gaps):.2f})")
+    losses.set(xlabel="step", ylabel="training loss (rank 0)", title="Per-step loss")
+    times.set(xlabel="step time (ms)", ylabel="steps", title=f"Step times after {warmup} steps")
+    losses.legend()
+    times.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of each trainer (default 5)")
@@ -172,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         try:
             cfg = compose(overrides)
-        except Exception as err:  # config errors (unknown option, misspelt key): one line
+            check_schema(cfg)
+        except Exception as err:  # config errors (unknown option, misspelt key, type): one line
             fail(str(err))
         devices = cfg.trainer.devices
         nproc = 1 if devices in ("auto", None) else int(devices)
@@ -196,7 +229,11 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "compare.md").write_text(text + "\n")
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
     print(text)
-    print(f"\nWritten: {out_dir / 'compare.md'}, {out_dir / 'compare.json'}")
+    png = plot(results, args.warmup, out_dir / "compare.png")
+    written = ", ".join(str(out_dir / f) for f in ("compare.md", "compare.json"))
+    print(
+        f"\nWritten: {written}, " + (str(png) if png else "no compare.png (pip install matplotlib)")
+    )
     print(f"Curves of both: tensorboard --logdir {out_dir}")
 
 

@@ -30,6 +30,7 @@ from project.engine.console import (
 )
 from project.engine.env import is_rank_zero
 from project.engine.errors import UserError
+from project.engine.schema import check_schema
 from project.launcher import report_exit
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def instantiate_all(group: DictConfig | None) -> list[Any]:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test; returns the metrics Lightning collected (floats)."""
+    check_schema(cfg)  # types and ranges, before torch is imported: fails in about a second
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -56,8 +58,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
-    if (cfg.get("test_ckpt") or "current") not in TEST_CKPTS:
-        raise UserError(f"test_ckpt={cfg.test_ckpt!r} is not one of {', '.join(TEST_CKPTS)}")
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
     check_targets(cfg)
     if hydra_cfg.mode == RunMode.MULTIRUN and topology.world_size > 1:
@@ -199,9 +199,6 @@ def stop_cleanly(trainer: Any) -> Iterator[None]:
         if isinstance(launcher, _SubprocessScriptLauncher):
             launcher.kill(signal.SIGKILL)
         raise
-
-
-TEST_CKPTS = ("best", "last", "current")
 
 
 def test_checkpoint(trainer: Any, cfg: DictConfig, last: Path | None, resume: Resume) -> str | None:

@@ -65,7 +65,9 @@ class CharCorpus(DataSource):
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
     ) -> None:
-        if not (0 < val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1):
+        if not (
+            0 < val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1
+        ):
             raise UserError(
                 f"data.dataset val_fraction={val_fraction} and test_fraction={test_fraction} "
                 "must be in (0, 1) and sum to less than 1"

@@ -5,7 +5,7 @@ this runs before `--help` and `--cfg job` answer.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,16 @@ def targets(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
                 yield from targets(value, f"{prefix}{key}.")
 
 
-def check_targets(cfg: DictConfig, groups: tuple[str, ...] = ("model", "data")) -> None:
-    """Every `_target_` of these groups names something that exists: else one line naming the
-    key, before any process group or data is set up (Hydra would say it deep inside fit)."""
+def check_targets(
+    cfg: DictConfig, groups: tuple[str, ...] = ("model", "data"), skip: Collection[str] = ()
+) -> None:
+    """Every `_target_` of these groups (but the keys in `skip`) names something that exists:
+    else one line naming the key, before any process group or data is set up (Hydra would say
+    it deep inside fit)."""
     for group in groups:
         for key, target in targets(cfg.get(group), f"{group}."):
+            if key in skip:
+                continue
             module, _, name = target.rpartition(".")
             try:
                 found = hasattr(importlib.import_module(module), name) if module else False

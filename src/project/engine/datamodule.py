@@ -12,41 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
-from project.data.source import SPLITS, DataSource
+from project.data.source import SPLITS
 from project.engine.config import to_plain
-from project.engine.errors import UserError
+from project.engine.loaders import build_source, plain_loader
 from project.engine.sharding import shard_loaders
-
-
-def build_source(dataset: Any) -> DataSource:
-    """The `data.dataset` config as a DataSource (both trainers and eval build it here)."""
-    source = instantiate(dict(to_plain(dataset)))
-    if not isinstance(source, DataSource):
-        raise UserError(
-            f"data.dataset._target_={dataset['_target_']} is not a project.data.source."
-            "DataSource: subclass it (prepare + dataset(split))"
-        )
-    return source
-
-
-def plain_loader(
-    dataset: Any,
-    stage: str,
-    batch_size: int,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    persistent_workers: bool = False,
-) -> DataLoader:
-    """What a user would write: shuffled for training, in order otherwise (both trainers'
-    loaders, from the `data` config's loading keys)."""
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers,
-        pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0,
-    )  # fmt: skip
 
 
 class DataModule(pl.LightningDataModule):

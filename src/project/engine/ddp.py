@@ -13,7 +13,9 @@ where a Lightning object is needed: the raw trainer uses this module without it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.metadata
 import inspect
 import logging
 import os
@@ -22,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,11 +112,28 @@ def on_gpu(accelerator: str) -> bool:
 
 
 def _ddp_option_names() -> set[str]:
-    from lightning.pytorch.strategies import DDPStrategy  # not at the top: see the docstring
-
-    names = set(inspect.signature(DDPStrategy.__init__).parameters)
-    names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    names = _ddp_strategy_arguments() | set(
+        inspect.signature(DistributedDataParallel.__init__).parameters
+    )
     return names - {"self", "kwargs", "module", "process_group", "device_ids", "output_device"}
+
+
+def _ddp_strategy_arguments() -> set[str]:
+    """DDPStrategy's argument names, read from Lightning's source file: importing Lightning
+    would cost the raw trainer (which checks the same strategy config) seconds per start."""
+    source = importlib.metadata.distribution("lightning").locate_file(
+        "lightning/pytorch/strategies/ddp.py"
+    )
+    tree = ast.parse(Path(source).read_text())
+    for cls in tree.body:
+        for node in cls.body if isinstance(cls, ast.ClassDef) and cls.name == "DDPStrategy" else []:
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                a = node.args
+                return {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                        if x is not None}  # fmt: skip
+    from lightning.pytorch.strategies import DDPStrategy  # another layout: import it after all
+
+    return set(inspect.signature(DDPStrategy.__init__).parameters)
 
 
 def check_hardware(strategy_cfg: DictConfig | None, trainer_cfg: DictConfig) -> None:

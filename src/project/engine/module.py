@@ -12,19 +12,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
-from torchmetrics import MeanMetric
 
 from project.engine.config import to_plain
+from project.engine.metrics import stage_metrics
 from project.engine.optim import build_optimizer, build_scheduler
 from project.tasks.task import STAGES, build_task
-
-
-def stage_metrics(task: Any, stage: str) -> nn.ModuleDict:
-    """The task's metrics for `stage` plus the mean loss every stage reports (both trainers)."""
-    # The train loss updates every step: no NaN check (it forces a CPU-GPU sync on GPU).
-    loss = MeanMetric(nan_strategy="disable") if stage == "train" else MeanMetric()
-    return nn.ModuleDict({"loss": loss, **task.metrics(stage)})
 
 
 class TaskModule(pl.LightningModule):

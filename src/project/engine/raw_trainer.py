@@ -46,9 +46,9 @@ from project.bench.step_stats import StepStats
 from project.data.source import SPLITS
 from project.engine import ddp, env, faults
 from project.engine.config import to_plain
-from project.engine.datamodule import build_source, plain_loader
 from project.engine.errors import UserError
-from project.engine.module import stage_metrics
+from project.engine.loaders import build_source, plain_loader
+from project.engine.metrics import stage_metrics
 from project.engine.optim import build_optimizer, build_scheduler
 from project.engine.raw_keys import check_config
 from project.engine.resume import (

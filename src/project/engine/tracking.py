@@ -1,0 +1,92 @@
+"""MLflow tracking with one tracked run per training run (`logger=mlflow`).
+
+Lightning's MLFlowLogger starts a new MLflow run at every start of the script, so a run that
+resumes (a torchrun restart, a requeued SLURM job, the same RUN_ID again) would be split over
+several MLflow runs. Here the MLflow run is found again by the run folder it belongs to (tag
+`run_dir`), and every attempt logs into it. Lightning calls loggers on rank 0 only, so under
+DDP there is one writer. A tracking server that does not answer stops the run at start-up
+with one line instead of minutes of HTTP retries.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from project.engine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_TAG = "run_dir"
+SQLITE = "sqlite:///"
+NO_STORE = "http://rank-zero-only.invalid"  # never contacted: its client is never used
+
+
+def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
+    """An http(s) tracking server must answer (any HTTP status counts as an answer)."""
+    if tracking_uri == NO_STORE or not tracking_uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s)
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise UserError(
+            f"the MLflow tracking server {tracking_uri} cannot be reached ({reason}): start it, "
+            "or unset MLFLOW_TRACKING_URI to track into logs/mlflow"
+        ) from None
+
+
+class MLflowRun(MLFlowLogger):
+    """MLFlowLogger whose MLflow run is the run folder's: found again on every attempt."""
+
+    def __init__(self, run_dir: str, tracking_uri: str, **kwargs: Any) -> None:
+        if importlib.util.find_spec("mlflow") is None:
+            raise UserError("logger=mlflow needs MLflow: pip install -e '.[track]'")
+        if rank_zero_only.rank != 0:
+            # Ranks > 0 never log, but Lightning makes a client of the store on every rank,
+            # and a client of a new SQLite store creates its tables: racing rank 0's.
+            tracking_uri = NO_STORE
+        check_reachable(tracking_uri)
+        if tracking_uri.startswith(SQLITE):  # SQLite creates the file, not its folder
+            Path(tracking_uri.removeprefix(SQLITE)).parent.mkdir(parents=True, exist_ok=True)
+        tags = {**(kwargs.pop("tags", None) or {}), RUN_DIR_TAG: run_dir}
+        super().__init__(tracking_uri=tracking_uri, tags=tags, **kwargs)
+        self.run_dir = run_dir
+
+    @property
+    def experiment(self) -> Any:
+        if rank_zero_only.rank == 0 and not self._initialized and self._run_id is None:
+            self._run_id = self.earlier_run_id()
+        return super().experiment
+
+    def earlier_run_id(self) -> str | None:
+        """The MLflow run an earlier attempt of this run folder made, if any."""
+        found = self._mlflow_client.get_experiment_by_name(self._experiment_name)
+        if found is None:
+            return None
+        quoted = self.run_dir.replace("'", "\\'")
+        runs = self._mlflow_client.search_runs(
+            [found.experiment_id], filter_string=f"tags.{RUN_DIR_TAG} = '{quoted}'", max_results=1
+        )
+        return runs[0].info.run_id if runs else None
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        """Into an earlier attempt's run: only keys it lacks (MLflow parameters cannot change;
+        a key whose value differs now keeps the first attempt's value, and says so)."""
+        flat = _flatten_dict(_convert_params(params))
+        earlier = self.experiment.get_run(self.run_id).data.params
+        changed = sorted(k for k, v in flat.items() if k in earlier and earlier[k] != str(v)[:250])
+        if changed:
+            log.warning(f"MLflow run {self.run_id} keeps its first values of {', '.join(changed)}")
+        super().log_hyperparams({k: v for k, v in flat.items() if k not in earlier})
