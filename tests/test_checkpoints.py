@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, finish, read_scalars, start
+from tests.conftest import QUIET, ROOT, finish, read_scalars, start
 
 SHORT = ["trainer.max_epochs=3", "test=false"]
+FINISHED = ["trainer.max_epochs=2"]  # the shared finished run's own overrides
 TRAINERS = {"lightning": ("project.train", "last.ckpt"), "raw": ("project.raw_train", "last.pt")}
 # The raw trainer's twins of these checks run in the slow tier (make test-slow).
 BOTH = ["lightning", pytest.param("raw", marks=pytest.mark.slow)]
@@ -23,6 +26,32 @@ BOTH = ["lightning", pytest.param("raw", marks=pytest.mark.slow)]
 def run(module: str, args: list[str], run_id: str | None = None, **env: str) -> tuple[int, str]:
     extra = {"RUN_ID": run_id} if run_id else {}
     return finish(start([sys.executable, "-m", module, *args], **extra, **env), 180)
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tmp_path_factory, data_dir) -> dict[str, Path]:
+    """trainer -> the folder of one finished 2-epoch run with test results, trained once per
+    session; tests copy it (`finished_copy`) instead of training their own."""
+    done: dict[str, Path] = {}
+
+    def get(trainer: str) -> Path:
+        if trainer not in done:
+            log_dir = tmp_path_factory.mktemp(f"finished-{trainer}")
+            args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *QUIET, *FINISHED]
+            code, out = run(TRAINERS[trainer][0], args, "done")
+            assert code == 0, out[-3000:]
+            done[trainer] = log_dir / "train/runs/done"
+        return done[trainer]
+
+    return get
+
+
+def finished_copy(finished_runs, trainer: str, log_dir: Path, run_id: str) -> Path:
+    """A copy of the session's finished run as `run_id` in this test's log folder (the run's
+    identity is seed, model and data: the log folder is not part of it)."""
+    run_dir = log_dir / "train" / "runs" / run_id
+    shutil.copytree(finished_runs(trainer), run_dir)
+    return run_dir
 
 
 def one_error_line(out: str) -> str:
@@ -63,11 +92,10 @@ def test_last_checkpoint_written_every_epoch(base_args, log_dir, trainer) -> Non
 
 
 @pytest.mark.parametrize("trainer", BOTH)
-def test_rerun_of_a_finished_run_keeps_its_results(base_args, log_dir, trainer) -> None:
+def test_rerun_of_a_finished_run_keeps_its_results(base_args, log_dir, finished_runs, trainer):
     module, name = TRAINERS[trainer]
-    args = [*base_args, "trainer.max_epochs=2"]
-    assert run(module, args, "done")[0] == 0
-    run_dir = log_dir / "train/runs/done"
+    args = [*base_args, *FINISHED]
+    run_dir = finished_copy(finished_runs, trainer, log_dir, "done")
     before = {p: p.read_bytes() for p in (run_dir / "metrics.json", run_dir / "checkpoints" / name)}
     assert "test/acc" in json.loads(before[run_dir / "metrics.json"])
     code, out = run(module, args, "done")
@@ -78,10 +106,10 @@ def test_rerun_of_a_finished_run_keeps_its_results(base_args, log_dir, trainer) 
 
 
 @pytest.mark.slow
-def test_finished_run_without_results_is_tested_not_trained(base_args, log_dir) -> None:
+def test_finished_run_without_results_is_tested_not_trained(base_args, log_dir, finished_runs):
     """Training finished but the process died before testing: the rerun only tests."""
-    args = [*base_args, "trainer.max_epochs=2"]
-    assert run("project.train", args, "t")[0] == 0
+    args = [*base_args, *FINISHED]
+    finished_copy(finished_runs, "lightning", log_dir, "t")
     metrics = json.loads((log_dir / "train/runs/t/metrics.json").read_text())
     (log_dir / "train/runs/t/metrics.json").unlink()
     code, out = run("project.train", args, "t")
@@ -91,12 +119,13 @@ def test_finished_run_without_results_is_tested_not_trained(base_args, log_dir) 
 
 
 @pytest.mark.parametrize("trainer", BOTH)
-def test_run_folder_refuses_another_config_and_keeps_its_record(base_args, log_dir, trainer):
+def test_run_folder_refuses_another_config_and_keeps_its_record(
+    base_args, log_dir, finished_runs, trainer
+) -> None:
     """The same RUN_ID with another seed used to train 0 steps and report the first run's
     results; with another model it crashed loading the checkpoint after overwriting .hydra/."""
     module, name = TRAINERS[trainer]
-    assert run(module, [*base_args, *SHORT], "same")[0] == 0
-    run_dir = log_dir / "train/runs/same"
+    run_dir = finished_copy(finished_runs, trainer, log_dir, "same")
     record = (run_dir / ".hydra/config.yaml").read_bytes()
     ckpt = (run_dir / "checkpoints" / name).read_bytes()
     for override, key in (("seed=7", "seed: 42 there, 7 now"), ("model=cnn", "model.net._target_")):
@@ -131,9 +160,8 @@ def test_bad_checkpoint_input_is_one_line(base_args, log_dir, tmp_path, trainer)
 
 
 @pytest.mark.slow
-def test_explicit_checkpoint_of_another_network_is_one_line(base_args, log_dir) -> None:
-    assert run("project.train", [*base_args, *SHORT], "mlp")[0] == 0
-    last = log_dir / "train/runs/mlp/checkpoints/last.ckpt"
+def test_explicit_checkpoint_of_another_network_is_one_line(base_args, finished_runs) -> None:
+    last = finished_runs("lightning") / "checkpoints/last.ckpt"  # read, never written
     code, out = run("project.train", [*base_args, *SHORT, "model=cnn", f"ckpt_path={last}"])
     assert code == 2
     assert "holds another network (model.net._target_" in one_error_line(out)

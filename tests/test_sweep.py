@@ -56,7 +56,7 @@ def test_killed_sweep_resumes_where_it_stopped(base_args, log_dir, signum) -> No
     best = min((t for t in study.trials if t.value is not None), key=lambda t: t.value)
     assert f"Best trial {best.number} (folder" in out
     results = (folder / "optimization_results.yaml").read_text()
-    assert f"best_value: {best.value}" in results and "finished_trials: 3" in results
+    assert f"best_value: {best.value}" in results and "ended_trials: 3" in results
 
 
 SEARCH = """# @package _global_
@@ -96,3 +96,27 @@ def test_a_study_file_that_is_not_sqlite_is_left_alone(base_args, log_dir) -> No
     code, out = finish(start(sweep(base_args), RUN_ID="notdb"), 60)
     assert code == 2 and f"error: {db} is not an SQLite database" in out, out[-2000:]
     assert db.read_text() == "my notes, not a database\n"
+
+
+def test_interrupted_trials_do_not_count_and_failed_ones_do() -> None:
+    """ended(): a trial killed with the sweep is replaced by its retry (even twice); a trial
+    that raised counts, so a config that always fails cannot loop forever."""
+    from project.engine.sweeper import FOLDER, ended
+
+    study = optuna.create_study()
+    fail, dist = optuna.trial.TrialState.FAIL, optuna.distributions.FloatDistribution(0, 1)
+
+    def trial(folder: int, value: float | None) -> None:
+        t = study.ask({"x": dist})
+        t.set_user_attr(FOLDER, folder)
+        study.tell(t, value) if value is not None else study.tell(t, state=fail)
+
+    trial(0, 0.5)  # finished
+    trial(1, None)  # killed with the sweep (FAIL) ...
+    assert ended(study) == 2  # ...counted until its retry exists (the sweeper subtracts it)
+    trial(1, None)  # its retry, killed again
+    assert ended(study) == 2
+    trial(1, 0.25)  # the retry that finished: trials 1 and 2 are replaced by it
+    assert ended(study) == 2
+    trial(3, None)  # raised: ends as FAIL, counts
+    assert ended(study) == 3

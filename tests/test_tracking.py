@@ -56,3 +56,14 @@ def test_unreachable_tracking_server_is_one_line(base_args, log_dir) -> None:
     assert f"error: the MLflow tracking server {uri} cannot be reached" in out
     assert "Traceback" not in out and time.monotonic() - began < 90
     assert not (log_dir / "train" / "runs" / "offline" / "checkpoints").exists()
+
+
+def test_wandb_offline_run_in_the_run_folder(base_args, log_dir) -> None:
+    """logger=wandb needs no account or network: one offline run, written into the run folder."""
+    pytest.importorskip("wandb")
+    cmd = [sys.executable, str(ROOT / "train.py"), *base_args, "logger=wandb",
+           "trainer.max_epochs=1"]  # fmt: skip
+    code, out = finish(start(cmd, RUN_ID="wb", WANDB_SILENT="true"), 180)
+    assert code == 0, out[-3000:]
+    runs = list((log_dir / "train" / "runs" / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs

@@ -176,14 +176,21 @@ def plot(results: dict[str, list[dict[str, Any]]], warmup: int, path: Path) -> P
         return None
     fig, (losses, times) = plt.subplots(1, 2, figsize=(11, 4))
     styles = {"lightning": {"lw": 2.5, "alpha": 0.6}, "raw": {"lw": 1, "ls": "--"}}
+    gaps = {
+        n: [g for r in runs for g in step_gaps_ms(r["stats"], warmup)]
+        for n, runs in results.items()
+    }
+    # Steps with an epoch end (validation, checkpoints) are a few slow outliers: cut them off.
+    limit = 2 * statistics.median(g for name_gaps in gaps.values() for g in name_gaps)
     for name, runs in results.items():
         losses.plot(runs[0]["stats"]["losses"], label=name, **styles[name])
-        gaps = [g for r in runs for g in step_gaps_ms(r["stats"], warmup)]
-        times.hist(gaps, bins=40, alpha=0.5, label=f"{name} (median {statistics.median(gaps):.2f})")
+        median, beyond = statistics.median(gaps[name]), sum(g > limit for g in gaps[name])
+        label = f"{name}: all steps' median {median:.2f} ms ({beyond} > {limit:.0f} ms not shown)"
+        times.hist(gaps[name], bins=40, range=(0, limit), alpha=0.5, label=label)
     losses.set(xlabel="step", ylabel="training loss (rank 0)", title="Per-step loss")
     times.set(xlabel="step time (ms)", ylabel="steps", title=f"Step times after {warmup} steps")
     losses.legend()
-    times.legend()
+    times.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -7,8 +7,10 @@ torchrun jobs, with step_stats=true and a short run, and prints the median of ea
 rank 0: python start (under torchrun: the agent's own start-up too), torch import, Lightning
 import, Hydra import + compose + the template's config checks, data preparation, process-group
 set-up, the sanity validation, and the rest (model, callbacks, loggers, trainer objects,
-checkpoint lookup). Measured without touching the trainers: a child wrapper times the imports
-and wraps the few functions that mark a phase (`--child`, used by this command itself).
+checkpoint lookup; for the raw trainer also the imports of its own modules, torchmetrics and
+TensorBoard's writer, which Lightning's import phase holds). Measured without touching the
+trainers: a child wrapper times the imports and wraps the few functions that mark a phase
+(`--child`, used by this command itself).
 """
 
 from __future__ import annotations
@@ -79,15 +81,15 @@ def child(module: str, overrides: list[str], marks_file: str) -> None:
     loaders.build_source = timed_source(marks, loaders.build_source)  # before its importers
     dist.init_process_group = timed(marks, "pg", dist.init_process_group)
     entry = __import__(module, fromlist=["main"])
-    if module == TRAINERS["raw"]:
-        from project.engine.raw_trainer import RawTrainer
-
-        RawTrainer.sanity_check = timed(marks, "sanity", RawTrainer.sanity_check)
     name = "train" if module == TRAINERS["lightning"] else "run"
     task = getattr(entry, name)
 
     def marked_task(cfg: Any) -> Any:
         marks["task"] = time.time()
+        if module == TRAINERS["raw"]:  # imported here, where run() would import it
+            from project.engine.raw_trainer import RawTrainer
+
+            RawTrainer.sanity_check = timed(marks, "sanity", RawTrainer.sanity_check)
         return task(cfg)
 
     setattr(entry, name, marked_task)

@@ -5,7 +5,8 @@
 
 The study lives in `<sweep dir>/optuna.db` (or `hydra.sweeper.storage`), so running the same
 command again (same RUN_ID, hence the same sweep folder) continues it: finished trials are
-not repeated and the study stops at `n_trials` finished ones. A trial that was running when
+not repeated and the study stops when `n_trials` trials have ended (a trial that raised counts
+as ended, FAIL, and is not retried). A trial that was running when
 the sweep died is marked FAIL and its parameters run again as the next trial, in the dead
 trial's own job folder: the training resumes there from its last checkpoint (auto_resume).
 Trials run one after another, each through Hydra's launcher (a multi-device trial is its own
@@ -47,7 +48,7 @@ class OptunaSqliteSweeperConf:
     study_name: str = "sweep"
     storage: str | None = None  # null: sqlite:///<sweep dir>/optuna.db
     direction: str = "minimize"  # minimize | maximize (min | max)
-    n_trials: int = 10  # finished trials the study needs
+    n_trials: int = 10  # trials that end (finish, or fail with an error) before it stops
     seed: int = 42  # the TPE sampler's seed
     params: dict[str, str] = field(default_factory=dict)  # key: Hydra sweep syntax
 
@@ -94,12 +95,8 @@ class OptunaStudySweeper(Sweeper):
             raise UserError(f"hydra.sweeper.direction={direction}: use minimize or maximize")
         if n_trials < 1:
             raise UserError(f"hydra.sweeper.n_trials={n_trials}: must be >= 1")
-        self.study_name, self.storage, self.n_trials, self.seed = (
-            study_name,
-            storage,
-            n_trials,
-            seed,
-        )
+        self.study_name, self.storage, self.seed = study_name, storage, seed
+        self.n_trials = n_trials
         self.direction = DIRECTIONS[direction]
         self.params = dict(params or {})
 
@@ -141,7 +138,7 @@ class OptunaStudySweeper(Sweeper):
         except (sqlite3.DatabaseError, optuna.exceptions.StorageInternalError) as err:
             raise UserError(f"{storage} cannot be used as an Optuna study ({err})") from None
         retry = self.fail_interrupted(study)
-        while (done := finished(study)) < self.n_trials:
+        while (done := ended(study) - len(retry)) < self.n_trials:  # retries: not ended
             if retry:
                 params, folder = retry.pop(0)
                 study.enqueue_trial(params)
@@ -155,7 +152,8 @@ class OptunaStudySweeper(Sweeper):
             value = ret.return_value if ret.status.name == "COMPLETED" else None
             if isinstance(value, (int, float)):
                 study.tell(trial, float(value))
-            else:
+            else:  # it raised, or returned no optimized_metric: it counts, and is not retried
+                log.warning(f"Trial {trial.number} failed: {ret.status.name}, value {value!r}")
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
         self.report(study)
 
@@ -171,9 +169,14 @@ class OptunaStudySweeper(Sweeper):
         return again
 
     def report(self, study: Any) -> None:
+        from optuna.trial import TrialState
+
+        if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            log.warning("No trial finished with a value: no best trial")
+            return
         best = study.best_trial
         results = {"best_value": best.value, "best_params": best.params, "best_trial": best.number,
-                   "finished_trials": finished(study), "storage": str(self.sweep_dir)}  # fmt: skip
+                   "ended_trials": ended(study), "storage": str(self.sweep_dir)}  # fmt: skip
         OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
         log.info(
             f"Best trial {best.number} (folder {best.user_attrs.get(FOLDER)}): "
@@ -181,7 +184,14 @@ class OptunaStudySweeper(Sweeper):
         )
 
 
-def finished(study: Any) -> int:
+def ended(study: Any) -> int:
+    """Trials that count towards n_trials: finished or failed, but not one a killed sweep
+    interrupted and a later trial ran again in the same folder."""
     from optuna.trial import TrialState
 
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    def folder(t: Any) -> int:
+        return t.user_attrs.get(FOLDER, t.number)
+
+    last = {folder(t): t.number for t in study.trials}  # trials come in number order
+    states = (TrialState.COMPLETE, TrialState.FAIL)
+    return sum(t.state in states and last[folder(t)] == t.number for t in study.trials)

@@ -50,8 +50,9 @@ class MLflowRun(MLFlowLogger):
     """MLFlowLogger whose MLflow run is the run folder's: found again on every attempt."""
 
     def __init__(self, run_dir: str, tracking_uri: str, **kwargs: Any) -> None:
-        if importlib.util.find_spec("mlflow") is None:
-            raise UserError("logger=mlflow needs MLflow: pip install -e '.[track]'")
+        needs = ["mlflow", *(["sqlalchemy", "alembic"] if tracking_uri.startswith(SQLITE) else [])]
+        if missing := [m for m in needs if importlib.util.find_spec(m) is None]:
+            raise UserError(f"logger=mlflow needs {', '.join(missing)}: pip install -e '.[track]'")
         if rank_zero_only.rank != 0:
             # Ranks > 0 never log, but Lightning makes a client of the store on every rank,
             # and a client of a new SQLite store creates its tables: racing rank 0's.
