@@ -237,10 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
     print(text)
     png = plot(results, args.warmup, out_dir / "compare.png")
-    written = ", ".join(str(out_dir / f) for f in ("compare.md", "compare.json"))
-    print(
-        f"\nWritten: {written}, " + (str(png) if png else "no compare.png (pip install matplotlib)")
-    )
+    picture = png or "no compare.png (it needs matplotlib: pip install -e '.[plot]')"
+    print(f"\nWritten: {out_dir / 'compare.md'}, {out_dir / 'compare.json'}, {picture}")
     print(f"Curves of both: tensorboard --logdir {out_dir}")
 
 

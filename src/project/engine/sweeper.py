@@ -103,7 +103,6 @@ class OptunaStudySweeper(Sweeper):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:  # fmt: skip
         self.config = config
-        self.hydra_context = hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config
         )
