@@ -29,7 +29,7 @@ gpu_count() {
 }
 
 # The torchrun the scripts run: torch's own (same arguments), with the job-level failure
-# handling of src/project/launcher.py (exit codes, no restarts of bad input, SIGUSR1).
+# handling of src/project/launcher.py (exit codes, no restarts of bad input, SIGUSR1/2).
 # shellcheck disable=SC2034  # used by the scripts that source this file
 TORCHRUN=("$PYTHON" -m project.launcher)
 
@@ -52,11 +52,12 @@ check_host() {  # name value: resolvable here
 # 20000-59999: two jobs on one node then do not share a rendezvous store.
 port_for() { echo $(( 20000 + $(printf '%s' "$1" | cksum | cut -d' ' -f1) % 40000 )); }
 
-# Print the exact command (copy-pastable), then run it. SIGTERM, SIGINT and SIGUSR1 (SLURM's
-# early warning) are passed on to the launcher: it stops the workers, which agree on a step,
-# save checkpoints/last.ckpt and exit. The script exits with the launcher's code: 143 when the
-# workers stopped on the signal ("run the same command, same RUN_ID, to resume"; SLURM
-# requeues on it), 0 when training had already finished, 2 for bad input, 1 for a failure.
+# Print the exact command (copy-pastable), then run it. SIGTERM, SIGINT, SIGUSR1 and SIGUSR2
+# (SLURM's early warning: launch/slurm.sbatch's and submitit's) are passed on to the launcher:
+# it stops the workers, which agree on a step, save checkpoints/last.ckpt and exit. The script
+# exits with the launcher's code: 143 when the workers stopped on the signal ("run the same
+# command, same RUN_ID, to resume"; SLURM requeues on it), 0 when training had already
+# finished, 2 for bad input, 1 for a failure.
 run() {
   local shown child code
   shown=$(printf '%q ' "$@")
@@ -71,6 +72,7 @@ run() {
   trap 'kill -TERM "$child" 2>/dev/null' TERM
   trap 'kill -INT "$child" 2>/dev/null' INT
   trap 'kill -USR1 "$child" 2>/dev/null' USR1
+  trap 'kill -USR2 "$child" 2>/dev/null' USR2
   code=0
   while true; do
     wait "$child" && code=0 || code=$?

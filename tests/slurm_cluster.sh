@@ -56,6 +56,9 @@ SwitchType=switch/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# Retry pending jobs every 2 s (default 60/30): a job submitted while the previous one's nodes
+# are still completing otherwise waits up to a minute.
+SchedulerParameters=sched_interval=2,bf_interval=2
 JobRequeue=1
 ReturnToService=2
 MinJobAge=600

@@ -40,6 +40,13 @@ def python_run(module: str, args: list[str], run_id: str, timeout: float = 180) 
     return finish(start([sys.executable, "-m", module, *args], RUN_ID=run_id), timeout)
 
 
+def python_runs(*runs: tuple[str, list[str], str], timeout: float = 240) -> list[tuple[int, str]]:
+    """Several 1-process runs (module, args, run id) at once: each uses one core of two, so the
+    uninterrupted reference costs no extra wall time beside the run it is compared with."""
+    procs = [start([sys.executable, "-m", m, *args], RUN_ID=run_id) for m, args, run_id in runs]
+    return [finish(proc, timeout) for proc in procs]
+
+
 def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[int, str]:
     env = {"NPROC_PER_NODE": "2", **env, **({"RUN_ID": run_id} if run_id else {})}
     return finish(start([str(ROOT / "launch" / "single_node.sh"), *args], **env), 240)
@@ -68,13 +75,13 @@ def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
             f"trainer.accumulate_grad_batches={accumulate}"]  # fmt: skip
     if accumulate > 1:  # checks every 2 windows = 8 batches: a stop never splits a window
         args.append("callbacks.fault_tolerance.check_every_n_steps=2")
-    code, out = python_run(module, args, "whole")
-    assert code == 0, out[-3000:]
     # SIGTERM at step 25 (accumulate 4: step 7, batch 8 of epoch 1): every rank stops at the
     # next check (mid-epoch, at a window start), saves last.ckpt and exits with the code.
     at_step, stop_step, skipped = (25, 29, 9) if accumulate == 1 else (7, 7, 8)
-    code, out = python_run(module, [*args, f"fault_injection.at_step={at_step}",
-                                    "fault_injection.mode=sigterm"], "cut")  # fmt: skip
+    cut = [*args, f"fault_injection.at_step={at_step}", "fault_injection.mode=sigterm"]
+    (code, out), (cut_code, cut_out) = python_runs((module, args, "whole"), (module, cut, "cut"))
+    assert code == 0, out[-3000:]
+    code, out = cut_code, cut_out
     assert code == EXIT_PREEMPTED, out[-3000:]
     assert f"Stopped by a signal at step {stop_step}" in out
     # The same command again (same run folder) resumes mid-epoch and ends identical.
@@ -86,9 +93,12 @@ def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
 
 def test_step_cadence_checkpoint_then_sigkill_resumes_exactly(base_args, log_dir) -> None:
     args = [*base_args, *ARGS, "callbacks.fault_tolerance.every_n_train_steps=7"]
-    code, out = python_run("project.train", args, "whole")
+    killed = [*args, "fault_injection.at_step=17"]
+    (code, out), (killed_code, killed_out) = python_runs(
+        ("project.train", args, "whole"), ("project.train", killed, "killed")
+    )
     assert code == 0, out[-3000:]
-    code, out = python_run("project.train", [*args, "fault_injection.at_step=17"], "killed")
+    code, out = killed_code, killed_out
     assert code == -signal.SIGKILL, out[-3000:]  # no chance to save: last.ckpt is from step 14
     state = torch.load(log_dir / "train/runs/killed/checkpoints/last.ckpt", weights_only=True)
     assert state["global_step"] == 14
@@ -217,9 +227,10 @@ def sigterm_mid_run(
     [
         ("group", signal.SIGINT),
         pytest.param("launcher", signal.SIGUSR1, marks=pytest.mark.slow),
+        pytest.param("launcher", signal.SIGUSR2, marks=pytest.mark.slow),  # submitit's warning
         pytest.param("launcher", signal.SIGTERM, marks=pytest.mark.slow),
     ],
-    ids=["ctrl-c", "usr1-to-torchrun", "term-to-torchrun"],
+    ids=["ctrl-c", "usr1-to-torchrun", "usr2-to-torchrun", "term-to-torchrun"],
 )
 def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> None:
     """Ctrl-C (SIGINT to every process, torchrun forwarding it again) used to kill the workers

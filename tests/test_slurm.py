@@ -127,3 +127,60 @@ def test_doctor_under_srun(slurm, tmp_path) -> None:
                           timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "2 rank(s) on 2 node(s)" in proc.stdout and "all checks passed" in proc.stdout
+
+
+def test_a_sweep_from_hydra_runs_torchrun_per_node_and_resumes_after_a_preemption(
+    slurm, data_dir, tmp_path
+) -> None:
+    """hydra/launcher=submitit_slurm: every sweep job is a SLURM job whose nodes each run
+    torchrun (launch/multinode.sh); submitit's SIGUSR2 stops the ranks at one step with
+    last.ckpt saved, then the job requeues itself and resumes in its own folder."""
+    log_dir = tmp_path / "logs"
+    sweep = [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm",
+             *run_args(data_dir, log_dir, 12)]  # fmt: skip
+    # Bad input found by the workers stops the sweep with their one line, exit 2 (not a hang).
+    bad = subprocess.run([*sweep, f"ckpt_path={tmp_path}/none.ckpt"], cwd=ROOT, text=True,
+                         capture_output=True, env=child_env(RUN_ID="bad"), timeout=240)  # fmt: skip
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sweep job ") and "stopped on bad input: ckpt_path " in last
+    assert "does not exist" in last and "(log: " in last, last
+
+    runs = log_dir / "train/multiruns/sweep"
+    # A sweep of one job: a second one would double the start-up time on 2 cores.
+    proc = subprocess.Popen([*sweep, "hydra.launcher.nodes=2", "model.optimizer.lr=0.01"],
+                            cwd=ROOT, env=child_env(RUN_ID="sweep"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_for((runs / "0/checkpoints/last.ckpt").exists, 240, "sweep job 0's checkpoint")
+        job_id = next((runs / ".submitit").glob("*/*_submitted.pkl")).parent.name
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        output, _ = proc.communicate(timeout=420)
+    finally:
+        proc.kill()
+        subprocess.run(["scancel", "--name=train"], timeout=30)
+    assert proc.returncode == 0, output[-3000:]
+    assert int(job(job_id)["Restarts"]) >= 1  # requeued by submitit after the stop
+    log = (runs / "0/train.log").read_text()
+    assert "Stopped by a signal" in log and "resuming from" in log, log[-3000:]
+    assert "1 process(es) per node x 2 node(s), launcher: torchrun" in log
+    assert "val/loss" in (runs / "0/metrics.json").read_text()
+
+
+def test_a_sweep_job_that_dies_without_a_result_ends_the_sweep(slurm, data_dir, tmp_path) -> None:
+    """submitit learns that a job died from sacct; this cluster keeps no accounting, so the
+    sweep waited forever for a killed job. It now reads squeue (project.engine.slurm_queue)."""
+    runs = tmp_path / "logs/train/multiruns/killed"
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm",
+           *run_args(data_dir, tmp_path / "logs", 60)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(RUN_ID="killed"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_for((runs / "0/train.log").exists, 120, "the sweep job to start")
+        # The job's task and its srun die at once, as on a lost node: no result is written.
+        subprocess.run(["pkill", "-KILL", "-f", str(runs / ".submitit")], timeout=30)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, output[-3000:]
+    assert "has not produced any output (state: LEFT_QUEUE)" in output

@@ -10,9 +10,9 @@ the failure handling a training job needs, which torchrun lacks:
   finished), 143 stopped by a signal (rerun to resume; SLURM requeues on it), 2 bad input,
   1 anything else, with one line naming the failed rank and how it ended instead of
   torchrun's 25-40 line error report.
-- SIGUSR1 (SLURM's early warning) is forwarded to the workers like SIGTERM and SIGINT, not
-  fatal to the launcher alone; a repeated signal while the workers are saving does not cut
-  their shutdown short.
+- SIGUSR1 and SIGUSR2 (SLURM's early warning: the sbatch recipe's and submitit's) are
+  forwarded to the workers like SIGTERM and SIGINT, not fatal to the launcher alone; a
+  repeated signal while the workers are saving does not cut their shutdown short.
 - A rendezvous that does not complete (a node never started, a wrong address) is one line
   naming the likely causes; the scripts bound its wait with `--rdzv-conf`.
 
@@ -39,12 +39,12 @@ from project.engine.env import rank
 
 EXIT_DIR_ENV = "PROJECT_EXIT_DIR"
 EXIT_BAD_INPUT = 2  # as project.engine.console.fail: the worker printed one line saying why
-# A run that stopped on SIGTERM/SIGUSR1/SIGINT after saving its checkpoint: run the same command
-# again (or let the scheduler requeue it) to resume. 128 + SIGTERM, as a process killed by
-# SIGTERM would report, so schedulers treat it as "terminated", not "failed".
+# A run that stopped on SIGTERM/SIGUSR1/SIGUSR2/SIGINT after saving its checkpoint: run the
+# same command again (or let the scheduler requeue it) to resume. 128 + SIGTERM, as a process
+# killed by SIGTERM would report, so schedulers treat it as "terminated", not "failed".
 EXIT_PREEMPTED = 143
 NO_RESTART = (EXIT_BAD_INPUT, EXIT_PREEMPTED)
-EXTRA_SIGNALS = "SIGUSR1"
+EXTRA_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
 log = logging.getLogger("project.launcher")
 
@@ -163,8 +163,9 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args(argv)
-    if EXTRA_SIGNALS not in args.signals_to_handle:
-        args.signals_to_handle += f",{EXTRA_SIGNALS}"
+    for name in EXTRA_SIGNALS:
+        if name not in args.signals_to_handle:
+            args.signals_to_handle += f",{name}"
     state: dict[str, Any] = {"signal": None, "done": False}
     _restarts_only_crashes(LocalElasticAgent)
     _signals_once(mp_api, state)

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig
 
+from project.engine import slurm_job
 from project.engine.config import CONFIG_DIR, check_targets, register_resolvers, to_plain
 from project.engine.console import (
     METRICS_FILE,
     print_config_tree,
+    quiet_hydra,
     quiet_lightning,
     read_metrics,
     report_metrics,
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
     from project.engine.resume import Resume
 
 log = logging.getLogger("project.train")
+# Also here, not only in main(): a SLURM job that submitit starts imports this module to run
+# the task function and never calls main().
+register_resolvers()
+quiet_hydra()
 
 TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "strategy", "paths")
 
@@ -58,6 +64,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and slurm_job.active():  # hydra/launcher=submitit_slurm
+        check_targets(cfg)
+        slurm_job.run_on_every_node(list(hydra_cfg.overrides.task), str(output_dir), cfg.trainer)
+        return read_metrics(output_dir)
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
     check_targets(cfg)
     if hydra_cfg.mode == RunMode.MULTIRUN and topology.world_size > 1:
@@ -225,7 +235,8 @@ def test_checkpoint(trainer: Any, cfg: DictConfig, last: Path | None, resume: Re
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    metrics = report_user_errors(lambda: train(cfg))
+    # In a submitit job errors travel back to the sweep as exceptions: no SystemExit there.
+    metrics = train(cfg) if slurm_job.active() else report_user_errors(lambda: train(cfg))
     # Sweepers (e.g. Optuna) optimise the returned value.
     return metrics.get(cfg.get("optimized_metric"))
 

@@ -1,11 +1,11 @@
-"""Coordinated stop on SIGTERM / SIGUSR1 / SIGINT for both trainers, for the price of one tiny
-all-reduce every few optimizer steps instead of a blocking broadcast every step.
+"""Coordinated stop on SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT for both trainers, for the price of
+one tiny all-reduce every few optimizer steps instead of a blocking broadcast every step.
 
 Schedulers signal before they kill: Kubernetes and most schedulers send SIGTERM, SLURM sends
-SIGUSR1 (`--signal`), a terminal sends SIGINT (Ctrl-C) to every process of the job. The handler
-only sets a flag (no collectives inside a signal handler: they could interleave with DDP's
-own); at agreed points all ranks all-reduce their flags, so either every rank stops after the
-same optimizer step or none does.
+SIGUSR1 (`--signal` in launch/slurm.sbatch; submitit's jobs: SIGUSR2), a terminal sends
+SIGINT (Ctrl-C) to every process of the job. The handler only sets a flag (no collectives
+inside a signal handler: they could interleave with DDP's own); at agreed points all ranks
+all-reduce their flags, so either every rank stops after the same optimizer step or none does.
 
 The checks happen only at the start of a gradient-accumulation window (never with partial
 gradients in memory, so a stop resumes exactly), every `every_n_steps` windows at most. The
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 log = logging.getLogger("project.engine.signals")
 
