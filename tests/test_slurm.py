@@ -129,6 +129,11 @@ def test_doctor_under_srun(slurm, tmp_path) -> None:
     assert "2 rank(s) on 2 node(s)" in proc.stdout and "all checks passed" in proc.stdout
 
 
+def submitted_jobs(sweep_dir: Path) -> list[str]:
+    """The SLURM job ids submitit used for this sweep (its folders hold their pickles)."""
+    return [p.parent.name for p in (sweep_dir / ".submitit").glob("*/*_submitted.pkl")]
+
+
 def test_a_sweep_from_hydra_runs_torchrun_per_node_and_resumes_after_a_preemption(
     slurm, data_dir, tmp_path
 ) -> None:
@@ -153,12 +158,12 @@ def test_a_sweep_from_hydra_runs_torchrun_per_node_and_resumes_after_a_preemptio
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         wait_for((runs / "0/checkpoints/last.ckpt").exists, 240, "sweep job 0's checkpoint")
-        job_id = next((runs / ".submitit").glob("*/*_submitted.pkl")).parent.name
+        (job_id,) = submitted_jobs(runs)
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         output, _ = proc.communicate(timeout=420)
     finally:
-        proc.kill()
-        subprocess.run(["scancel", "--name=train"], timeout=30)
+        proc.kill()  # the sweep waits for its jobs; they would outlive it
+        subprocess.run(["scancel", *submitted_jobs(runs)], timeout=30)
     assert proc.returncode == 0, output[-3000:]
     assert int(job(job_id)["Restarts"]) >= 1  # requeued by submitit after the stop
     log = (runs / "0/train.log").read_text()
@@ -182,5 +187,6 @@ def test_a_sweep_job_that_dies_without_a_result_ends_the_sweep(slurm, data_dir, 
         output, _ = proc.communicate(timeout=180)
     finally:
         proc.kill()
+        subprocess.run(["scancel", *submitted_jobs(runs)], timeout=30)
     assert proc.returncode == 1, output[-3000:]
     assert "has not produced any output (state: LEFT_QUEUE)" in output
