@@ -612,19 +612,13 @@ def worker(args: argparse.Namespace) -> int:
 def slurm_env(env: dict[str, str]) -> dict[str, str]:
     """Under `srun` (one task per device) the ranks come from SLURM's variables; node 0 is
     reached at the address SLURM itself uses for it (NodeAddr)."""
-
-    def scontrol(*args: str) -> str:
-        return subprocess.run(["scontrol", *args], capture_output=True, text=True).stdout
-
-    first = scontrol("show", "hostnames", env["SLURM_JOB_NODELIST"]).split()[0]
-    addr = next((w.split("=", 1)[1] for w in scontrol("show", "node", first).split()
-                 if w.startswith("NodeAddr=")), first)  # fmt: skip
+    addr, port = launcher_env.slurm_rendezvous(env)
     return {
         "RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
         "LOCAL_WORLD_SIZE": str(int(env["SLURM_NTASKS"]) // int(env.get("SLURM_NNODES", "1"))),
         "GROUP_RANK": env.get("SLURM_NODEID", "0"), "MASTER_ADDR": addr,
-        "MASTER_PORT": str(20000 + int(env["SLURM_JOB_ID"]) % 40000),
+        "MASTER_PORT": str(port),
     }  # fmt: skip
 
 

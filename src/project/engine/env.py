@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import re
 import secrets
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -62,6 +64,23 @@ def detect_launcher(env: Mapping[str, str] = os.environ) -> Launcher | None:
             "slurm", int(env["SLURM_NTASKS"]) // nodes, nodes, ("--ntasks-per-node", "--nodes")
         )
     return None
+
+
+def slurm_rendezvous(env: Mapping[str, str] = os.environ) -> tuple[str, int]:
+    """Node 0 of this SLURM job at the address SLURM itself uses for it (NodeAddr), and a port
+    of the job's own (as launch/slurm.sbatch): two jobs on one node never share a store."""
+
+    def scontrol(*args: str) -> str:
+        try:
+            return subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                                  timeout=60).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    nodelist = env["SLURM_JOB_NODELIST"]
+    head = (scontrol("show", "hostnames", nodelist).split() or [nodelist])[0]
+    found = re.search(r"NodeAddr=(\S+)", scontrol("show", "node", head))
+    return (found[1] if found else head), 20000 + int(env["SLURM_JOB_ID"]) % 40000
 
 
 _run_id: str | None = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from project.engine.config import ROOT_DIR
+from project.engine.env import slurm_rendezvous
 from project.engine.errors import UserError
 from project.launcher import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
@@ -39,22 +39,6 @@ log = logging.getLogger("project.engine.slurm_job")
 def active(env: Mapping[str, str] = os.environ) -> bool:
     """Whether this process is a job that submitit started on SLURM."""
     return env.get("SUBMITIT_EXECUTOR") == "slurm" and "SLURM_JOB_ID" in env
-
-
-def _head_address(nodelist: str) -> str:
-    """The first node of the job, at the address SLURM itself uses to reach it."""
-
-    def scontrol(*args: str) -> str:
-        try:
-            return subprocess.run(["scontrol", *args], capture_output=True, text=True,
-                                  timeout=60).stdout  # fmt: skip
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    names = scontrol("show", "hostnames", nodelist).split()
-    head = names[0] if names else nodelist
-    found = re.search(r"NodeAddr=(\S+)", scontrol("show", "node", head))
-    return found[1] if found else head
 
 
 def processes_per_node(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> int:
@@ -83,8 +67,7 @@ def node_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> di
             f"hydra.launcher.nodes={asked} (or drop trainer.num_nodes: it follows the job)"
         )
     nproc = processes_per_node(trainer_cfg, env)
-    job_id = env["SLURM_JOB_ID"]
-    port = env.get("MASTER_PORT", str(20000 + int(job_id) % 40000))
+    head, port = slurm_rendezvous(env)
     cpus = int(env.get("SLURM_CPUS_PER_TASK", len(os.sched_getaffinity(0))))
     # The workers are plain torchrun workers: not submitit jobs (errors exit with one line).
     return {
@@ -92,8 +75,8 @@ def node_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> di
         "PYTHON": sys.executable,
         "NNODES": str(nodes),
         "NPROC_PER_NODE": str(nproc),
-        "RDZV_ID": f"slurm-{job_id}",
-        "RDZV_ENDPOINT": f"{_head_address(env['SLURM_JOB_NODELIST'])}:{port}",
+        "RDZV_ID": f"slurm-{env['SLURM_JOB_ID']}",
+        "RDZV_ENDPOINT": f"{head}:{env.get('MASTER_PORT', port)}",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, cpus // nproc))),
     }
 
