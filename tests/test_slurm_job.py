@@ -55,7 +55,11 @@ def test_torchrun_per_node_as_the_sbatch_recipe() -> None:
             {**JOB, "SLURM_NTASKS_PER_NODE": "2(x2)"},
             "hydra.launcher.tasks_per_node=2(x2): keep 1",
         ),
-        (trainer(devices="many"), JOB, "trainer.devices='many' must be a number or auto"),
+        (
+            trainer(devices="many"),
+            JOB,
+            "trainer.devices='many' must be a number of processes or auto",
+        ),
     ],
 )
 def test_a_mismatch_is_one_line(cfg, env, message) -> None:

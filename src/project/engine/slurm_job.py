@@ -43,12 +43,12 @@ def active(env: Mapping[str, str] = os.environ) -> bool:
 
 def processes_per_node(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> int:
     """`trainer.devices` when it is a number, else the node's GPUs, else 1 (as slurm.sbatch)."""
-    devices = trainer_cfg.get("devices", "auto")
-    if devices not in (None, "auto", -1):
-        try:
-            return int(devices)
-        except (TypeError, ValueError):
-            raise UserError(f"trainer.devices={devices!r} must be a number or auto") from None
+    # Read as ddp reads it; imported here: entry points import this module before torch.
+    from project.engine.ddp import _explicit_int
+
+    devices = _explicit_int(trainer_cfg.get("devices", "auto"), "trainer.devices")
+    if devices not in (None, -1):  # -1: every GPU, as auto
+        return devices
     gpus = env.get("SLURM_GPUS_ON_NODE", env.get("SLURM_GPUS_PER_NODE", "0")).split(":")[-1]
     return max(1, int(gpus) if gpus.isdigit() else 0)
 
@@ -60,8 +60,11 @@ def node_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> di
             f"hydra.launcher.tasks_per_node={env['SLURM_NTASKS_PER_NODE']}: keep 1, torchrun "
             "starts trainer.devices processes on each node"
         )
-    nodes, asked = int(env["SLURM_NNODES"]), trainer_cfg.get("num_nodes", "auto")
-    if asked not in (None, "auto") and str(asked) != str(nodes):
+    from project.engine.ddp import _explicit_int
+
+    nodes = int(env["SLURM_NNODES"])
+    asked = _explicit_int(trainer_cfg.get("num_nodes", "auto"), "trainer.num_nodes")
+    if asked not in (None, nodes):
         raise UserError(
             f"trainer.num_nodes={asked} but this SLURM job has {nodes} node(s): set "
             f"hydra.launcher.nodes={asked} (or drop trainer.num_nodes: it follows the job)"
