@@ -10,6 +10,9 @@ VENV ?= .venv
 TORCH ?= torch>=2.6
 ARGS ?=
 PYTEST_ARGS ?=
+# Tests run in parallel, one worker per core (pytest-xdist); tests that share one expensive run
+# stay on one worker (tests/conftest.py: SHARED_RUNS). PARALLEL= runs them one at a time.
+PARALLEL ?= -n auto --dist loadgroup
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -43,16 +46,16 @@ eval: $(STAMP)
 # parity check, one resume) and a line with its wall time. test-all: every test (what .ci/run
 # runs). test-slow: only the slow end-to-end ones (README: Development).
 test: lint
-	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest -m quick $(PYTEST_ARGS); code=$$?; \
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest -m quick $(PARALLEL) $(PYTEST_ARGS); code=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall (the quick tier; make test-all runs every test)"; \
 	exit $$code
 
 # pytest exits 5 when no test is marked slow: that is not a failure.
 test-slow: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m slow $(PARALLEL) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: lint
-	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS); code=$$?; \
 	echo "make test-all: $$(( $$(date +%s) - start )) s wall (every test)"; exit $$code
 
 lint: $(DEV_STAMP)

@@ -125,11 +125,21 @@ def group_alive(pgid: int) -> bool:
 DISTRIBUTED_TIMEOUT_S = 300  # a 2-process test here takes well under a minute
 
 
+# Module/session fixtures that train or set up something expensive. `make test` runs tests
+# in parallel (pytest-xdist, --dist loadgroup): the tests sharing one of them go to the same
+# worker, so it is built once, and the SLURM tests never queue behind each other's jobs.
+SHARED_RUNS = ("default_run", "plain_ddp", "finished_runs", "generated", "slurm")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tighter limits for the distributed tests (unless a test sets its own)."""
+    """Tighter limits for the distributed tests (unless a test sets its own); one xdist
+    worker per shared run."""
     for item in items:
         if item.get_closest_marker("distributed") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(DISTRIBUTED_TIMEOUT_S))
+        shared = [name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
 
 
 STARTED: list[subprocess.Popen[str]] = []  # this test's process groups (see reap_processes)

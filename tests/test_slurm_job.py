@@ -3,6 +3,7 @@ needed: the job's environment is given; tests/test_slurm.py runs it on a real cl
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,16 @@ pytestmark = pytest.mark.quick  # the fast tier: `make test`
 JOB = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4321", "SLURM_NNODES": "2",
        "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "node7",
        "SLURM_CPUS_PER_TASK": "8"}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_controller(monkeypatch, tmp_path) -> None:
+    """JOB's node is made up: asking a real (or an unreachable) controller about it takes up
+    to 9 s per call. An scontrol that fails at once: the head node is the node list's first."""
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
 
 def trainer(**kw):

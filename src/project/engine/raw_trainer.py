@@ -95,7 +95,9 @@ class RawTrainer:
         # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
         # the task, so both trainers draw the same initial weights.
         seed_everything(cfg.seed)
-        torch.use_deterministic_algorithms(bool(t.get("deterministic")), warn_only=True)
+        # Off is torch's default; calling it anyway imports torch._inductor (seconds per start).
+        if t.get("deterministic"):
+            torch.use_deterministic_algorithms(True, warn_only=True)
         if t.get("benchmark") is not None:
             torch.backends.cudnn.benchmark = bool(t.benchmark)
         self.task = build_task(cfg.model.task, cfg.model.net).to(self.device)
