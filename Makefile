@@ -11,8 +11,10 @@ TORCH ?= torch>=2.6
 ARGS ?=
 PYTEST_ARGS ?=
 # Tests run in parallel, one worker per core (pytest-xdist); tests that share one expensive run
-# stay on one worker (tests/conftest.py: SHARED_RUNS). PARALLEL= runs them one at a time.
-PARALLEL ?= -n auto --dist loadgroup
+# stay on one worker (tests/conftest.py: SHARED_RUNS). PARALLEL= runs them one at a time. At
+# most 8 workers (each may run a 2-process training); where a container sees more cores than
+# its CPU quota grants, set PYTEST_XDIST_AUTO_NUM_WORKERS to the quota.
+PARALLEL ?= -n auto --maxprocesses 8 --dist loadgroup
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
