@@ -131,6 +131,7 @@ DISTRIBUTED_TIMEOUT_S = 300  # a 2-process test here takes well under a minute
 SHARED_RUNS = ("default_run", "plain_ddp", "finished_runs", "generated", "slurm")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tighter limits for the distributed tests (unless a test sets its own); one xdist
     worker per shared run."""

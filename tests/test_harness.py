@@ -43,3 +43,38 @@ def test_a_hung_test_fails_and_its_processes_are_killed(tmp_path) -> None:
     except ProcessLookupError:
         return
     raise AssertionError(f"the hung test's child {pid} is still running")
+
+
+def test_tests_sharing_a_run_stay_on_one_worker(tmp_path) -> None:
+    """`make test` runs tests in parallel: the ones sharing an expensive fixture (conftest's
+    SHARED_RUNS) must run on one worker, or it is built once per worker and the SLURM tests
+    queue behind each other. pytest 9.2 broke this silently (pytest-xdist#1386)."""
+    builds = tmp_path / "builds"
+    probe = tmp_path / "test_groups.py"
+    probe.write_text(
+        textwrap.dedent(f"""
+        import os
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def plain_ddp():  # a name from SHARED_RUNS
+            with open({str(builds)!r}, "a") as f:
+                f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_shared(plain_ddp, i):
+            pass
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_alone(i):
+            pass
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(probe), "-p", "tests.conftest", "-p",
+         "no:cacheprovider", "-q", "-n", "2", "--dist", "loadgroup", "-c",
+         str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert len(builds.read_text().split()) == 1, "the shared fixture was built on every worker"
