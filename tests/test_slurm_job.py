@@ -23,8 +23,8 @@ JOB = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4321", "SLURM_NNODES": "2"
 
 @pytest.fixture(autouse=True)
 def no_controller(monkeypatch, tmp_path) -> None:
-    """JOB's node is made up: asking a real (or an unreachable) controller about it takes up
-    to 9 s per call. An scontrol that fails at once: the head node is the node list's first."""
+    """JOB's node is made up: asking a real (or an unreachable) controller about it takes
+    seconds per call. An scontrol that fails at once: the head node is the node list's first."""
     fake = tmp_path / "scontrol"
     fake.write_text("#!/bin/sh\nexit 1\n")
     fake.chmod(0o755)
