@@ -6,12 +6,23 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, child_env
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
+
+
+def run_pytest(test_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A pytest session of its own on `test_file`, with this suite's conftest and settings."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", str(test_file), "-p", "tests.conftest", "-p",
+         "no:cacheprovider", "-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT),
+         *args],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
 
 
 def test_a_hung_test_fails_and_its_processes_are_killed(tmp_path) -> None:
@@ -30,11 +41,7 @@ def test_a_hung_test_fails_and_its_processes_are_killed(tmp_path) -> None:
             start([sys.executable, "-c", code]).wait()
     """)
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(hung), "-p", "tests.conftest", "-p",
-         "no:cacheprovider", "-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_pytest(hung)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "Timeout" in proc.stdout and "child says hi" in proc.stdout, proc.stdout[-3000:]
     pid = int(pid_file.read_text())
@@ -70,11 +77,6 @@ def test_tests_sharing_a_run_stay_on_one_worker(tmp_path) -> None:
             pass
     """)
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(probe), "-p", "tests.conftest", "-p",
-         "no:cacheprovider", "-q", "-n", "2", "--dist", "loadgroup", "-c",
-         str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_pytest(probe, "-n", "2", "--dist", "loadgroup")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert len(builds.read_text().split()) == 1, "the shared fixture was built on every worker"
