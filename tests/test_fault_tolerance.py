@@ -52,6 +52,11 @@ def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[in
     return finish(start([str(ROOT / "launch" / "single_node.sh"), *args], **env), 240)
 
 
+# How long a signalled torchrun job may take to end: torchrun gives each worker 30 s after its
+# SIGTERM, then 30 s after a SIGKILL, before it gives up on it (a worker stalled on a slow
+# disk once took all 60 s), plus the stop itself.
+STOP_TIMEOUT_S = 150
+
 # The language model, cut to 20 steps per epoch like digits (the step numbers below hold).
 CHARLM = [*CHARLM[:1], "trainer.max_epochs=4", "trainer.limit_train_batches=20", *CHARLM[3:],
           "test=false", "callbacks.early_stopping=null"]  # fmt: skip
@@ -135,7 +140,7 @@ def test_sigterm_to_torchrun_agent_stops_saves_and_rerun_resumes(base_args, log_
         time.sleep(0.05)
     time.sleep(0.15)  # into the next epoch
     proc.send_signal(signal.SIGTERM)  # the launch script passes it to torchrun's agent
-    code, out = finish(proc, 60)
+    code, out = finish(proc, STOP_TIMEOUT_S)
     assert code == EXIT_PREEMPTED, out[-3000:]
     assert out.count("SIGTERM received") == 2  # both ranks agreed to stop...
     assert out.count("Stopped by a signal") == 1 and "Saved" in out  # ...and rank 0 saved
@@ -218,7 +223,7 @@ def sigterm_mid_run(
         launcher = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "project.launcher"],
                                   capture_output=True, text=True).stdout.split()  # fmt: skip
         os.kill(int(launcher[0]), signum)
-    return finish(proc, 90)
+    return finish(proc, STOP_TIMEOUT_S)
 
 
 @pytest.mark.distributed

@@ -35,15 +35,18 @@ def wait_for(path: Path, proc, timeout: float = 180) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_killed_sweep_resumes_where_it_stopped(base_args, log_dir, signum) -> None:
     folder = log_dir / "train" / "multiruns" / "search"
-    proc = start(sweep(base_args), RUN_ID="search")
+    # Trial 1 saves from step 5 on: its first checkpoint leaves it ~100 more steps, so the
+    # signal lands while it trains even on a fast machine (a fixed sleep after the first save
+    # was longer than the whole rest of the trial on one).
+    args = [*base_args, "callbacks.fault_tolerance.every_n_train_steps=5"]
+    proc = start(sweep(args), RUN_ID="search")
     wait_for(folder / "1" / "checkpoints" / "last.ckpt", proc)  # trial 0 done, trial 1 training
-    time.sleep(0.3)
-    first = (folder / "0" / "metrics.json").read_bytes()
     proc.send_signal(signum)
+    first = (folder / "0" / "metrics.json").read_bytes()
     code, out = finish(proc, 90)
     assert code == (EXIT_PREEMPTED if signum == signal.SIGTERM else -signal.SIGKILL), out[-3000:]
 
-    code, out = finish(start(sweep(base_args), RUN_ID="search"), 400)  # the same command again
+    code, out = finish(start(sweep(args), RUN_ID="search"), 400)  # the same command again
     assert code == 0, out[-3000:]
     assert "Trial 1 was running when the sweep stopped: it runs again" in out
     assert f"resuming from {folder / '1' / 'checkpoints' / 'last.ckpt'}" in out
