@@ -52,6 +52,10 @@ def torchrun(args: list[str], run_id: str | None = None, **env: str) -> tuple[in
     return finish(start([str(ROOT / "launch" / "single_node.sh"), *args], **env), 240)
 
 
+# The signal tests signal after the first epoch's checkpoint: 16 epochs of 10 steps leave
+# ~1 s of training after it on a fast day (8 epochs did not always outlast the polling).
+LONG = ["trainer.max_epochs=16", "test=false", "callbacks.early_stopping=null"]
+
 # How long a signalled torchrun job may take to end: torchrun gives each worker 30 s after its
 # SIGTERM, then 30 s after a SIGKILL, before it gives up on it (a worker stalled on a slow
 # disk once took all 60 s), plus the stop itself.
@@ -130,7 +134,7 @@ def test_torchrun_restart_after_sigkill_matches_uninterrupted(base_args, log_dir
 
 @pytest.mark.distributed
 def test_sigterm_to_torchrun_agent_stops_saves_and_rerun_resumes(base_args, log_dir) -> None:
-    args = [*base_args, "trainer.max_epochs=8", "test=false", "callbacks.early_stopping=null"]
+    args = [*base_args, *LONG]
     code, out = torchrun(args, run_id="whole")
     assert code == 0, out[-3000:]
     proc = start([str(ROOT / "launch" / "single_node.sh"), *args], NPROC_PER_NODE="2", RUN_ID="sig")
@@ -145,7 +149,7 @@ def test_sigterm_to_torchrun_agent_stops_saves_and_rerun_resumes(base_args, log_
     assert out.count("SIGTERM received") == 2  # both ranks agreed to stop...
     assert out.count("Stopped by a signal") == 1 and "Saved" in out  # ...and rank 0 saved
     stopped_at = torch.load(first_epoch, weights_only=True)["global_step"]
-    assert 10 <= stopped_at < 80
+    assert 10 <= stopped_at < 160
     code, out = torchrun(args, run_id="sig")
     assert code == 0 and "resuming from" in out, out[-3000:]
     assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/sig")
@@ -241,7 +245,7 @@ def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> N
     """Ctrl-C (SIGINT to every process, torchrun forwarding it again) used to kill the workers
     with KeyboardInterrupt and save nothing; SIGUSR1 to torchrun killed torchrun alone and left
     the workers training; SIGTERM to torchrun stopped cleanly but exited 1."""
-    args = [*base_args, "trainer.max_epochs=8", "test=false", "callbacks.early_stopping=null"]
+    args = [*base_args, *LONG]
     env = {"NPROC_PER_NODE": "2", "RUN_ID": "sig"}
     code, out = sigterm_mid_run(env, args, target, signum, log_dir)
     assert code == EXIT_PREEMPTED, out[-3000:]
