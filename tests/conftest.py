@@ -29,6 +29,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def exit_check_env() -> dict[str, str]:
+    """Environment for a distributed run whose workers report at exit whether they closed
+    their process group (tests/exit_check/sitecustomize.py); see assert_groups_closed."""
+    paths = [str(ROOT / "tests" / "exit_check"), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def assert_groups_closed(out: str, nproc: int) -> None:
+    """Every one of `nproc` workers closed its process group before the interpreter exit."""
+    closed = [ln for ln in out.splitlines() if ln.startswith("exit check:")]
+    assert len(closed) == nproc and all(ln.endswith("closed") for ln in closed), closed
+
+
 def run_script(
     script: str, args: Sequence[str], timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess[str]:

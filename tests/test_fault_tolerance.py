@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from project.launcher import EXIT_PREEMPTED
-from tests.conftest import CHARLM, ROOT, finish, start
+from tests.conftest import CHARLM, ROOT, assert_groups_closed, exit_check_env, finish, start
 
 # The CNN has dropout, so exact resume also needs the RNG states back.
 ARGS = ["model=cnn", "trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null"]
@@ -246,9 +246,10 @@ def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> N
     with KeyboardInterrupt and save nothing; SIGUSR1 to torchrun killed torchrun alone and left
     the workers training; SIGTERM to torchrun stopped cleanly but exited 1."""
     args = [*base_args, *LONG]
-    env = {"NPROC_PER_NODE": "2", "RUN_ID": "sig"}
+    env = {"NPROC_PER_NODE": "2", "RUN_ID": "sig", **exit_check_env()}
     code, out = sigterm_mid_run(env, args, target, signum, log_dir)
     assert code == EXIT_PREEMPTED, out[-3000:]
+    assert_groups_closed(out, 2)
     name = signal.Signals(signum).name
     assert out.count(f"{name} received") == 2, out[-3000:]  # both ranks agreed to stop
     stopped = int(out.split("Stopped by a signal at step ")[1].split(";")[0])

@@ -11,7 +11,16 @@ from omegaconf import OmegaConf
 
 from project.engine.raw_keys import classify
 from project.engine.schema import check_schema
-from tests.conftest import CHARLM, ROOT, finish, free_port, run_script, start
+from tests.conftest import (
+    CHARLM,
+    ROOT,
+    assert_groups_closed,
+    exit_check_env,
+    finish,
+    free_port,
+    run_script,
+    start,
+)
 from tests.test_configs import options
 
 SHORT = ["trainer.max_epochs=3", "step_stats=true"]
@@ -91,8 +100,10 @@ def run_trainer(module: str, args: list[str], run_dir: Path, nproc: int = 1) -> 
     import sys
 
     cmd[0] = sys.executable
-    code, out = finish(start(cmd), timeout=240)
+    code, out = finish(start(cmd, **(exit_check_env() if nproc > 1 else {})), timeout=240)
     assert code == 0, out[-4000:]
+    if nproc > 1:
+        assert_groups_closed(out, nproc)
     return json.loads((run_dir / "step_stats.json").read_text())
 
 

@@ -93,6 +93,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     )
     log.info(f"Testing {ckpt_path}")
     trainer.test(model, datamodule=datamodule)
+    ddp.close_process_group()
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

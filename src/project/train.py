@@ -180,7 +180,8 @@ def check_one_last_checkpoint(callbacks: list[Any], fault_tolerance: Any) -> Non
 
 @contextlib.contextmanager
 def stop_cleanly(trainer: Any) -> Iterator[None]:
-    """A signal stop -> exit EXIT_PREEMPTED; a dead peer -> one line instead of a hang/wall.
+    """A signal stop -> exit EXIT_PREEMPTED; a dead peer -> one line instead of a hang/wall;
+    after a finished run or a stop the process group is closed (`ddp.close_process_group`).
 
     Lightning's own launcher starts ranks > 0 as children of rank 0 and kills them only on
     KeyboardInterrupt: on any other failure of rank 0 they are killed here, so no rank is
@@ -203,12 +204,14 @@ def stop_cleanly(trainer: Any) -> Iterator[None]:
                 f"Stopped by a signal at step {trainer.global_step}; last.ckpt is saved. Run "
                 f"the same command again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
             )
+        ddp.close_process_group()  # every rank agreed to stop: the group is healthy
         sys.exit(EXIT_PREEMPTED)
     except BaseException:
         launcher = trainer.strategy.launcher
         if isinstance(launcher, _SubprocessScriptLauncher):
             launcher.kill(signal.SIGKILL)
         raise
+    ddp.close_process_group()
 
 
 def test_checkpoint(trainer: Any, cfg: DictConfig, last: Path | None, resume: Resume) -> str | None:

@@ -6,6 +6,7 @@
 - `build_strategy` gives a single-process run no DDP wrapper at all, and a multi-process run
   the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
 - `relaunch_with_torchrun` runs one multi-device Hydra sweep job as its own torchrun job.
+- `close_process_group` ends a run's process group while the interpreter is still whole.
 
 Entry points import this after Hydra has composed the config. Lightning is imported only
 where a Lightning object is needed: the raw trainer uses this module without it.
@@ -222,3 +223,21 @@ def peer_failures_reported() -> Iterator[None]:
             "output for the cause",
             code=1,
         )
+
+
+def close_process_group() -> None:
+    """Destroy the default process group, if any, before the interpreter shuts down.
+
+    Left to interpreter shutdown, gloo's worker thread can still hold the tensors of the last
+    collective and need the GIL to free them while the interpreter is being torn down: the
+    process aborts ("terminate called without an active exception", exit -6) after a
+    finished run, and torchrun reports the job failed (pytorch/pytorch#179291 explains it).
+    Call it after the DDP wrapper is gone (Lightning unwraps it in its teardown; the raw
+    trainer drops it first): the Reducer's destructor joins that same thread while holding
+    the GIL.
+    """
+    import time
+
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(0.1)  # releases the GIL: the worker thread finishes with its tensors
+        dist.destroy_process_group()

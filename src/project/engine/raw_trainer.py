@@ -452,11 +452,9 @@ class RawTrainer:
             # reference to the process group must not be dropped by the DDP Reducer (its
             # destructor joins gloo's worker thread while holding the GIL, and that thread may
             # still need the GIL to free the tensors of a finished collective). So: drop DDP
-            # first (the group's registry keeps it alive), let the worker thread finish
-            # (sleep releases the GIL), then destroy the group.
+            # first (the group's registry keeps it alive), then close the group.
             self.model = Step(self.task)
-            time.sleep(0.1)
-            dist.destroy_process_group()
+            ddp.close_process_group()
 
 
 class EarlyStopping:

@@ -1,0 +1,19 @@
+"""Imported at start-up by every Python process a test starts with this folder on PYTHONPATH
+(tests/conftest.py: exit_check_env). At exit, a distributed worker (RANK set) says whether
+its process group was closed: left open, gloo can abort the process after a finished run
+(see project.engine.ddp.close_process_group)."""
+
+import atexit
+import os
+import sys
+
+
+def _report() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if "RANK" not in os.environ or dist is None:
+        return
+    state = "left open" if dist.is_available() and dist.is_initialized() else "closed"
+    sys.stderr.write(f"exit check: rank {os.environ['RANK']} process group {state}\n")
+
+
+atexit.register(_report)  # registered first, so it runs after every other atexit handler
