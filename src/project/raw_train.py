@@ -21,8 +21,6 @@ from omegaconf import DictConfig
 
 from project.engine.config import CONFIG_DIR, check_targets, register_resolvers, to_plain
 from project.engine.console import (
-    METRICS_FILE,
-    read_metrics,
     report_metrics,
     report_user_errors,
     run_cli,
@@ -38,26 +36,26 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_schema(cfg)  # types and ranges, before torch is imported: fails in about a second
     from hydra.core.hydra_config import HydraConfig
 
-    from project.engine import ddp
     from project.engine.raw_keys import ADAPTERS
-    from project.engine.raw_trainer import LAST, Preempted, RawTrainer
-    from project.engine.resume import find_resume
+    from project.engine.resume import LAST_PT, find_resume, finished_results, last_checkpoint
 
     output_dir = Path(HydraConfig.get().runtime.output_dir)
+    # An explicit ckpt_path wins; else (auto_resume) the last.pt a previous attempt of this
+    # run left: a torchrun restart, a requeued job, the same RUN_ID again. Checked before the
+    # targets are imported and anything is built: a bad checkpoint or a finished run answers
+    # in seconds.
+    resume = find_resume(to_plain(cfg), last_checkpoint(cfg, output_dir, LAST_PT), kind="model")
+    if earlier := finished_results(resume, output_dir):
+        return earlier
     # Not the Lightning adapters' own targets (importing them imports Lightning, which this
     # trainer never runs): check_config says in one line when they are not the adapters.
     check_targets(cfg, skip={f"{group}._target_" for group in ADAPTERS})
+    from project.engine import ddp
+    from project.engine.raw_trainer import Preempted, RawTrainer
+
     trainer = RawTrainer(cfg, output_dir)
     metrics: dict[str, float] = {}
     try:
-        # An explicit ckpt_path wins; else (auto_resume) the last.pt a previous attempt of
-        # this run left: a torchrun restart, a requeued job, the same RUN_ID again.
-        last = trainer.last_path() if trainer.fault_tolerance else None
-        resume = find_resume(to_plain(cfg), last, kind="model")
-        if resume.finished and (earlier := read_metrics(output_dir)):
-            log.info(f"This run already finished ({resume.path}); its results are kept in "
-                     f"{output_dir / METRICS_FILE}")  # fmt: skip
-            return earlier
         if resume.path:
             trainer.load(resume.path)
         if cfg.train and not resume.finished:
@@ -66,7 +64,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
                     metrics.update(trainer.fit())
             except Preempted:
                 log.info(
-                    f"Stopped by a signal at step {trainer.global_step}; {LAST} is saved. Run "
+                    f"Stopped by a signal at step {trainer.global_step}; {LAST_PT} is saved. Run "
                     f"the same command again to resume. Exit {EXIT_PREEMPTED}."
                 )
                 sys.exit(EXIT_PREEMPTED)  # the finally below still closes the process group

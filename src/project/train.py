@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 from project.engine import slurm_job
 from project.engine.config import CONFIG_DIR, check_targets, register_resolvers, to_plain
 from project.engine.console import (
-    METRICS_FILE,
     print_config_tree,
     quiet_hydra,
     quiet_lightning,
@@ -61,6 +60,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from hydra.types import RunMode
 
     from project.engine import ddp
+    from project.engine.resume import find_resume, finished_results, last_checkpoint
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -69,6 +69,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         slurm_job.run_on_every_node(list(hydra_cfg.overrides.task), str(output_dir), cfg.trainer)
         return read_metrics(output_dir)
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
+    # Before Lightning is imported (checking the targets imports it) and anything is built:
+    # a bad checkpoint stops here with one line, nothing written; a finished run (a sweep
+    # job's too) answers in seconds.
+    resume = find_resume(to_plain(cfg), last_checkpoint(cfg, output_dir), kind="state_dict")
+    if earlier := finished_results(resume, output_dir):
+        return earlier
     check_targets(cfg)
     if hydra_cfg.mode == RunMode.MULTIRUN and topology.world_size > 1:
         if topology.launcher is not None or topology.num_nodes > 1:
@@ -91,7 +97,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         StepStatsCallback,
     )
     from project.engine.datamodule import shard_datamodule
-    from project.engine.resume import find_resume, training_identity
+    from project.engine.resume import training_identity
 
     quiet_lightning()
     threads = ddp.configure_threads(topology)
@@ -122,17 +128,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
         callbacks.append(StepStatsCallback(str(output_dir)))
     if (cfg.get("fault_injection") or {}).get("at_step") is not None:
         callbacks.append(FaultInjection(to_plain(cfg.fault_injection)))
-    # Before the trainer exists: a bad checkpoint stops here with one line, nothing written.
-    resume = find_resume(
-        to_plain(cfg), fault_tolerance.path if fault_tolerance else None, kind="state_dict"
-    )
-    if resume.finished and (earlier := read_metrics(output_dir)):
-        log.info(
-            f"This run already finished ({resume.path}); its results are kept in "
-            f"{output_dir / METRICS_FILE}. For more training start a new run from its "
-            f"weights: ckpt_path={resume.path} trainer.max_epochs=<more>"
-        )
-        return earlier
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         strategy=strategy,

@@ -15,7 +15,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.bench.step_stats import StepStats
 from project.engine import faults
-from project.engine.resume import atomic_save, project_state, rng_state, set_rng_state
+from project.engine.resume import (
+    LAST_CKPT,
+    atomic_save,
+    project_state,
+    rng_state,
+    set_rng_state,
+)
 from project.engine.signals import StopSignal
 
 log = logging.getLogger("project.engine.callbacks")
@@ -43,7 +49,7 @@ class FaultTolerance(pl.Callback):
     def __init__(
         self,
         dirpath: str,
-        filename: str = "last.ckpt",
+        filename: str = LAST_CKPT,
         check_every_n_steps: int = 10,
         every_n_train_steps: int | None = None,
         every_n_seconds: float | None = None,

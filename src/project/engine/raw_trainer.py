@@ -52,7 +52,10 @@ from project.engine.metrics import stage_metrics
 from project.engine.optim import build_optimizer, build_scheduler
 from project.engine.raw_keys import check_config
 from project.engine.resume import (
+    LAST_PT,
     atomic_save,
+    checkpoint_dir,
+    last_checkpoint,
     project_state,
     rng_state,
     set_rng_state,
@@ -64,7 +67,6 @@ from project.tasks.task import STAGES, build_task
 
 log = logging.getLogger("project.raw_train")
 
-LAST = "last.pt"  # the raw trainer's checkpoints are its own format, not Lightning's .ckpt
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -379,11 +381,11 @@ class RawTrainer:
 
     # --- checkpoints -------------------------------------------------------------------------
     def checkpoint_dir(self) -> Path:
-        ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
-        return Path(ckpt_cfg.get("dirpath") or self.output_dir / "checkpoints")
+        return checkpoint_dir(self.cfg, self.output_dir)
 
     def last_path(self) -> Path:
-        return Path(self.fault_tolerance.get("dirpath") or self.checkpoint_dir()) / LAST
+        last = last_checkpoint(self.cfg, self.output_dir, LAST_PT)
+        return last or self.checkpoint_dir() / LAST_PT  # a stop signal without fault_tolerance
 
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""

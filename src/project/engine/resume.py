@@ -11,6 +11,7 @@ checkpoints still load with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Mapping
@@ -21,7 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from project.engine.console import METRICS_FILE, read_metrics
 from project.engine.errors import UserError
+
+log = logging.getLogger("project.engine.resume")
+
+LAST_CKPT = "last.ckpt"  # FaultTolerance's resume point (Lightning's checkpoint format)
+LAST_PT = "last.pt"  # the raw trainer's: its own format, whatever the config names
 
 
 def rng_state() -> dict[str, Any]:
@@ -167,6 +174,25 @@ def check_resumable(
     )
 
 
+def checkpoint_dir(cfg: Mapping[str, Any], output_dir: Path) -> Path:
+    """The run's checkpoint folder: callbacks.model_checkpoint.dirpath, else <run>/checkpoints."""
+    ckpt = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
+    return Path(ckpt.get("dirpath") or output_dir / "checkpoints")
+
+
+def last_checkpoint(
+    cfg: Mapping[str, Any], output_dir: Path, name: str | None = None
+) -> Path | None:
+    """Where `callbacks.fault_tolerance` keeps the run's last checkpoint (None: that callback
+    is off), read from the config alone so that a run can be checked before anything heavy
+    is imported or built. `name` replaces the configured file name (the raw trainer's)."""
+    ft = (cfg.get("callbacks") or {}).get("fault_tolerance")
+    if not ft:
+        return None
+    folder = Path(ft.get("dirpath") or checkpoint_dir(cfg, output_dir))
+    return folder / (name or ft.get("filename") or LAST_CKPT)
+
+
 @dataclass
 class Resume:
     """Where a run continues from: `path` (None: from scratch), and what the checkpoint says."""
@@ -200,3 +226,16 @@ def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
     return Resume(path, finished, state.get("metrics") or {})
+
+
+def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:
+    """The results a run that already finished kept in its folder, said so in the log; {}
+    when there is work left (not finished, or it died before writing its results)."""
+    earlier = read_metrics(output_dir) if resume.finished else {}
+    if earlier:
+        log.info(
+            f"This run already finished ({resume.path}); its results are kept in "
+            f"{output_dir / METRICS_FILE}. For more training start a new run from its "
+            f"weights: ckpt_path={resume.path} trainer.max_epochs=<more>"
+        )
+    return earlier
