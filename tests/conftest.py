@@ -6,7 +6,8 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,7 @@ DISTRIBUTED_TIMEOUT_S = 300  # a 2-process test here takes well under a minute
 # Module/session fixtures that train or set up something expensive. `make test` runs tests
 # in parallel (pytest-xdist, --dist loadgroup): the tests sharing one of them go to the same
 # worker, so it is built once, and the SLURM tests never queue behind each other's jobs.
-SHARED_RUNS = ("default_run", "plain_ddp", "finished_runs", "generated", "slurm")
+SHARED_RUNS = ("default_run", "torchrun_runs", "finished_runs", "generated", "slurm")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -210,3 +211,43 @@ def run_launch(script: str, args: Sequence[str], timeout: float = 180, **env: st
     code, out = finish(start([str(ROOT / "launch" / script), *args], **env), timeout)
     assert code == 0, out[-4000:]
     return out
+
+
+# The 2-process runs of torchrun_runs: 2 epochs of 10 steps per rank, every step's loss in
+# TensorBoard and in step_stats.json.
+TORCHRUN_ARGS = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "step_stats=true",
+                 *QUIET]  # fmt: skip
+
+
+@dataclass
+class Run:
+    dir: Path  # the run folder
+    out: str  # what the job printed
+
+
+@pytest.fixture(scope="session")
+def torchrun_runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Callable:
+    """(*overrides, trainer="lightning", attempt=0) -> the Run of `launch/single_node.sh` with
+    2 processes, TORCHRUN_ARGS and the overrides, made once per session: the DDP-option,
+    launcher and parity tests share them. Another `attempt` is the same command again, in
+    the same log folder. Every worker must have closed its process group."""
+    done: dict[tuple, Run] = {}
+    log_dirs: dict[tuple, Path] = {}
+
+    def get(*overrides: str, trainer: str = "lightning", attempt: int = 0) -> Run:
+        if (overrides, trainer, attempt) not in done:
+            if attempt:
+                get(*overrides, trainer=trainer, attempt=attempt - 1)
+            log_dir = log_dirs.setdefault((overrides, trainer), tmp_path_factory.mktemp("tr"))
+            runs = log_dir / "train" / "runs"
+            before = set(runs.iterdir()) if runs.exists() else set()
+            args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *TORCHRUN_ARGS,
+                    *overrides]  # fmt: skip
+            out = run_launch("single_node.sh", args, NPROC_PER_NODE="2", TRAINER=trainer,
+                             **exit_check_env())  # fmt: skip
+            assert_groups_closed(out, 2)
+            (run_dir,) = set(runs.iterdir()) - before  # a folder of its own
+            done[overrides, trainer, attempt] = Run(run_dir, out)
+        return done[overrides, trainer, attempt]
+
+    return get

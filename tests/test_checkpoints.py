@@ -159,6 +159,27 @@ def test_bad_checkpoint_input_is_one_line(base_args, log_dir, tmp_path, trainer)
     assert code == 2 and "not a checkpoint of this trainer" in one_error_line(out)
 
 
+def test_auto_resume_off_starts_fresh(base_args, log_dir, finished_runs) -> None:
+    finished_copy(finished_runs, "lightning", log_dir, "again")
+    args = [*base_args, "trainer.max_epochs=1", "test=false", "auto_resume=false"]
+    code, out = run("project.train", args, "again")
+    assert code == 0 and "Training" in out, out[-3000:]
+    assert "resuming from" not in out and "already finished" not in out
+
+
+def test_raw_trainer_resumes_from_an_explicit_checkpoint(base_args, finished_runs, tmp_path):
+    """More epochs from a finished run's last.pt: only the new epoch is trained."""
+    last = finished_runs("raw") / "checkpoints" / "last.pt"  # read, never written
+    state = torch.load(last, weights_only=True)
+    assert state["epoch"] == 2 and state["global_step"] > 0
+    args = [*base_args, "trainer.max_epochs=3", "step_stats=true", f"ckpt_path={last}",
+            f"hydra.run.dir={tmp_path / 'resumed'}"]  # fmt: skip
+    code, out = run("project.raw_train", args)
+    assert code == 0, out[-3000:]
+    resumed = json.loads((tmp_path / "resumed" / "step_stats.json").read_text())
+    assert len(resumed["losses"]) == state["global_step"] // 2  # only the third epoch ran
+
+
 @pytest.mark.slow
 def test_explicit_checkpoint_of_another_network_is_one_line(base_args, finished_runs) -> None:
     last = finished_runs("lightning") / "checkpoints/last.ckpt"  # read, never written

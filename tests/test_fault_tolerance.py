@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from project.engine.signals import STOP_SIGNALS
 from project.launcher import EXIT_PREEMPTED
 from tests.conftest import CHARLM, ROOT, assert_groups_closed, exit_check_env, finish, start
 
@@ -66,20 +67,24 @@ CHARLM = [*CHARLM[:1], "trainer.max_epochs=4", "trainer.limit_train_batches=20",
           "test=false", "callbacks.early_stopping=null"]  # fmt: skip
 
 
+BOTH = ("project.train", "project.raw_train")
+
+
 @pytest.mark.parametrize(
-    "module, accumulate, task",
+    "modules, accumulate, task",
     [
-        pytest.param("project.train", 1, "digits", marks=pytest.mark.quick),
-        ("project.raw_train", 1, "digits"),
-        ("project.train", 1, "charlm"),
-        pytest.param("project.raw_train", 1, "charlm", marks=pytest.mark.slow),
-        pytest.param("project.train", 4, "digits", marks=pytest.mark.slow),
-        pytest.param("project.raw_train", 4, "digits", marks=pytest.mark.slow),
+        pytest.param(("project.train",), 1, "digits", marks=pytest.mark.quick),
+        (("project.raw_train",), 1, "digits"),
+        (BOTH, 1, "charlm"),
+        pytest.param(BOTH, 4, "digits", marks=pytest.mark.slow),
     ],
+    ids=["train-digits", "raw-digits", "both-charlm", "both-digits-accumulate4"],
 )
 def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
-    base_args, log_dir, module, accumulate, task
+    base_args, log_dir, modules, accumulate, task
 ) -> None:
+    """Each trainer is stopped mid-epoch and rerun; its final weights must be those of one
+    uninterrupted run (one reference serves both trainers: their weights are bitwise equal)."""
     args = [*base_args, *(CHARLM if task == "charlm" else ARGS),
             f"trainer.accumulate_grad_batches={accumulate}"]  # fmt: skip
     if accumulate > 1:  # checks every 2 windows = 8 batches: a stop never splits a window
@@ -88,16 +93,17 @@ def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
     # next check (mid-epoch, at a window start), saves last.ckpt and exits with the code.
     at_step, stop_step, skipped = (25, 29, 9) if accumulate == 1 else (7, 7, 8)
     cut = [*args, f"fault_injection.at_step={at_step}", "fault_injection.mode=sigterm"]
-    (code, out), (cut_code, cut_out) = python_runs((module, args, "whole"), (module, cut, "cut"))
-    assert code == 0, out[-3000:]
-    code, out = cut_code, cut_out
-    assert code == EXIT_PREEMPTED, out[-3000:]
-    assert f"Stopped by a signal at step {stop_step}" in out
+    whole, *cuts = python_runs((modules[0], args, "whole"), *((m, cut, m) for m in modules))
+    assert whole[0] == 0, whole[1][-3000:]
+    for code, out in cuts:
+        assert code == EXIT_PREEMPTED, out[-3000:]
+        assert f"Stopped by a signal at step {stop_step}" in out
     # The same command again (same run folder) resumes mid-epoch and ends identical.
-    code, out = python_run(module, args, "cut")
-    assert code == 0, out[-3000:]
-    assert "skipping" in out and f"{skipped} batches" in out
-    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/cut")
+    for code, out in python_runs(*((m, args, m) for m in modules)):
+        assert code == 0, out[-3000:]
+        assert "skipping" in out and f"{skipped} batches" in out
+    for module in modules:
+        assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs" / module)
 
 
 def test_step_cadence_checkpoint_then_sigkill_resumes_exactly(base_args, log_dir) -> None:
@@ -117,19 +123,22 @@ def test_step_cadence_checkpoint_then_sigkill_resumes_exactly(base_args, log_dir
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("trainer", ["lightning", "raw"])
-def test_torchrun_restart_after_sigkill_matches_uninterrupted(base_args, log_dir, trainer) -> None:
-    args = [*base_args, *ARGS]
-    code, out = torchrun(args, run_id="whole", TRAINER=trainer)
+def test_torchrun_restart_after_sigkill_matches_uninterrupted(base_args, log_dir) -> None:
+    """Both trainers: a killed rank, torchrun restarts the group, it resumes, and the final
+    weights are those of one uninterrupted run (the trainers' weights are bitwise equal)."""
+    args, runs = [*base_args, *ARGS], log_dir / "train/runs"
+    code, out = torchrun(args, run_id="whole")
     assert code == 0, out[-3000:]
-    code, out = torchrun([*args, "fault_injection.at_step=25", "fault_injection.rank=1"],
-                         MAX_RESTARTS="1", TRAINER=trainer)  # fmt: skip
-    assert code == 0, out[-4000:]
-    assert "fault injection: sigkill on rank 1 at step 25" in out
-    restarted = [r for r in (log_dir / "train/runs").iterdir() if r.name.startswith("torchrun-")]
-    assert len(restarted) == 1  # the restarted worker group wrote into the same folder
-    assert "esum" in out  # "resuming from" / "Resumed from"
-    assert_same_weights(log_dir / "train/runs/whole", restarted[0])
+    for trainer in ("lightning", "raw"):
+        before = set(runs.iterdir())
+        code, out = torchrun([*args, "fault_injection.at_step=25", "fault_injection.rank=1"],
+                             MAX_RESTARTS="1", TRAINER=trainer)  # fmt: skip
+        assert code == 0, out[-4000:]
+        assert "fault injection: sigkill on rank 1 at step 25" in out
+        assert "esum" in out  # "resuming from" / "Resumed from"
+        (restarted,) = set(runs.iterdir()) - before  # the restarted group used the same folder
+        assert restarted.name.startswith("torchrun-")
+        assert_same_weights(runs / "whole", restarted)
 
 
 @pytest.mark.distributed
@@ -201,13 +210,6 @@ def test_fault_injection_exception_mode(base_args) -> None:
     assert code != 0 and "InjectedFault: fault injection: exception on rank 0 at step 3" in out
 
 
-def test_auto_resume_off_starts_fresh(base_args, log_dir) -> None:
-    args = [*base_args, "trainer.max_epochs=1", "test=false"]
-    assert python_run("project.train", args, "again")[0] == 0
-    code, out = python_run("project.train", [*args, "auto_resume=false"], "again")
-    assert code == 0 and "resuming from" not in out and "already finished" not in out
-
-
 def sigterm_mid_run(
     proc_env: dict[str, str], args: list[str], target: str, signum: int, log_dir: Path
 ) -> tuple[int, str]:
@@ -233,18 +235,15 @@ def sigterm_mid_run(
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("target", "signum"),
-    [
-        ("group", signal.SIGINT),
-        pytest.param("launcher", signal.SIGUSR1, marks=pytest.mark.slow),
-        pytest.param("launcher", signal.SIGUSR2, marks=pytest.mark.slow),  # submitit's warning
-        pytest.param("launcher", signal.SIGTERM, marks=pytest.mark.slow),
-    ],
-    ids=["ctrl-c", "usr1-to-torchrun", "usr2-to-torchrun", "term-to-torchrun"],
+    [("group", signal.SIGINT), pytest.param("launcher", signal.SIGUSR1, marks=pytest.mark.slow)],
+    ids=["ctrl-c", "usr1-to-torchrun"],
 )
 def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> None:
     """Ctrl-C (SIGINT to every process, torchrun forwarding it again) used to kill the workers
     with KeyboardInterrupt and save nothing; SIGUSR1 to torchrun killed torchrun alone and left
-    the workers training; SIGTERM to torchrun stopped cleanly but exited 1."""
+    the workers training. (Every stop signal through the launcher, with workers that only
+    stop: test_launch.py; every stop signal in a worker: the test below; SIGTERM through the
+    launch script: the test above.)"""
     args = [*base_args, *LONG]
     env = {"NPROC_PER_NODE": "2", "RUN_ID": "sig", **exit_check_env()}
     code, out = sigterm_mid_run(env, args, target, signum, log_dir)
@@ -256,6 +255,27 @@ def test_signals_stop_save_and_exit_143(base_args, log_dir, target, signum) -> N
     saved = torch.load(log_dir / "train/runs/sig/checkpoints/last.ckpt", weights_only=True)
     assert saved["global_step"] == stopped and not saved["project"]["finished"]
     assert "the workers saved last.ckpt" in out and "Traceback" not in out
+
+
+def test_every_stop_signal_stops_a_worker_at_the_next_check() -> None:
+    """Each stop signal, really sent, sets the flag the ranks agree on at the next check."""
+    script = textwrap.dedent("""
+        import os, torch
+        from project.engine.signals import STOP_SIGNALS, StopSignal
+        for signum in STOP_SIGNALS:
+            stop = StopSignal(every_n_steps=1)
+            stop.install()
+            assert stop.check(torch.device("cpu"))[0] is False
+            os.kill(os.getpid(), signum)
+            print(signum, stop.check(torch.device("cpu"))[0], flush=True)
+            stop.restore()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [x for s in STOP_SIGNALS for x in (str(int(s)), "True")]
+    for s in STOP_SIGNALS:
+        assert f"{s.name} received" in proc.stderr
 
 
 @pytest.mark.slow

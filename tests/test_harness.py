@@ -64,12 +64,12 @@ def test_tests_sharing_a_run_stay_on_one_worker(tmp_path) -> None:
         import pytest
 
         @pytest.fixture(scope="module")
-        def plain_ddp():  # a name from SHARED_RUNS
+        def torchrun_runs():  # a name from SHARED_RUNS
             with open({str(builds)!r}, "a") as f:
                 f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
 
         @pytest.mark.parametrize("i", range(8))
-        def test_shared(plain_ddp, i):
+        def test_shared(torchrun_runs, i):
             pass
 
         @pytest.mark.parametrize("i", range(8))

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from project import launcher
-from tests.conftest import ROOT, finish, free_port, read_scalars, run_launch, start
+from tests.conftest import ROOT, finish, free_port, read_scalars, start
+from tests.test_raw_parity import assert_same_training
 
 pytestmark = pytest.mark.distributed
 
@@ -35,30 +36,21 @@ def world_size_reported(out: str) -> int:
     return int(line.split("Starting with")[1].split()[0])
 
 
-@pytest.fixture(scope="module")
-def plain_ddp(tmp_path_factory, data_dir) -> dict:
-    """torchrun --standalone with 2 processes and the default DDP options, run twice."""
-    log_dir = tmp_path_factory.mktemp("logs")
-    args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *SHORT,
-            "trainer.enable_progress_bar=false", "callbacks.progress_bar=null"]  # fmt: skip
-    outs = [run_launch("single_node.sh", args, NPROC_PER_NODE="2") for _ in range(2)]
-    return {"outs": outs, "runs": runs(log_dir), "args": args[:1] + args[2:]}
-
-
-def test_torchrun_standalone_two_processes(plain_ddp) -> None:
-    assert len(plain_ddp["runs"]) == 2  # two runs, one folder each
-    for out in plain_ddp["outs"]:
-        assert world_size_reported(out) == 2
-        assert "launcher: torchrun" in out
-        assert out.count("Metrics:") == 1  # rank 0 only
-    run = plain_ddp["runs"][0]
-    assert run.name.startswith("torchrun-")  # named by torchrun's job id
+def test_torchrun_standalone_two_processes(torchrun_runs) -> None:
+    runs = [torchrun_runs(), torchrun_runs(attempt=1)]  # the same command twice
+    assert runs[0].dir.parent == runs[1].dir.parent and runs[0].dir != runs[1].dir
+    for run in runs:
+        assert world_size_reported(run.out) == 2
+        assert "launcher: torchrun" in run.out
+        assert run.out.count("Metrics:") == 1  # rank 0 only
+        assert run.dir.name.startswith("torchrun-")  # named by torchrun's job id
+    run = runs[0].dir
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "config_tree.log").is_file()
     assert sorted(p.name for p in run.glob("*.log")) == ["config_tree.log", "train.log"]
 
 
-def test_torchrun_losses_identical_on_rerun(plain_ddp) -> None:
-    first, second = (losses(r) for r in plain_ddp["runs"])
+def test_torchrun_losses_identical_on_rerun(torchrun_runs) -> None:
+    first, second = (losses(torchrun_runs(attempt=i).dir) for i in (0, 1))
     assert len(first) >= 20 and first == second
 
 
@@ -71,13 +63,10 @@ def test_torchrun_losses_identical_on_rerun(plain_ddp) -> None:
         ["strategy.bucket_cap_mb=1"],
     ],
 )
-def test_ddp_presets_match_plain_ddp(plain_ddp, tmp_path, options) -> None:
-    out = run_launch(
-        "single_node.sh", [*plain_ddp["args"], f"paths.log_dir={tmp_path}", *options],
-        NPROC_PER_NODE="2",
-    )  # fmt: skip
-    assert world_size_reported(out) == 2
-    assert losses(runs(tmp_path)[0]) == losses(plain_ddp["runs"][0])  # bitwise
+def test_ddp_presets_match_plain_ddp(torchrun_runs, options) -> None:
+    run = torchrun_runs(*options)
+    assert world_size_reported(run.out) == 2
+    assert losses(run.dir) == losses(torchrun_runs().dir)  # bitwise
 
 
 def two_nodes(env0: dict, env1: dict, args: list[str], wrap0=(), wrap1=()) -> tuple[str, str]:
@@ -92,15 +81,22 @@ def two_nodes(env0: dict, env1: dict, args: list[str], wrap0=(), wrap1=()) -> tu
     return results[0][1], results[1][1]
 
 
-def test_two_nodes_static_rendezvous(base_args, log_dir) -> None:
-    port = str(free_port())
-    out0, out1 = two_nodes(
-        {"NODE_RANK": "0", "MASTER_PORT": port}, {"NODE_RANK": "1", "MASTER_PORT": port},
-        [*base_args, *SHORT],
-    )  # fmt: skip
-    assert world_size_reported(out0 + out1) == 2
-    assert "1 process(es) per node x 2 node(s), launcher: torchrun" in out0 + out1
-    assert len(runs(log_dir)) == 1  # both nodes agreed on one run folder
+def test_two_nodes_static_rendezvous(base_args, log_dir, tmp_path) -> None:
+    """Both trainers on two "nodes" of one process each: one run folder, bitwise the same
+    losses."""
+    args = [*base_args, "trainer.max_epochs=2", "step_stats=true"]
+    for trainer, extra in (("lightning", []), ("raw", [f"hydra.run.dir={tmp_path / 'raw'}"])):
+        port = str(free_port())
+        out0, out1 = two_nodes(
+            {"NODE_RANK": "0", "MASTER_PORT": port, "TRAINER": trainer},
+            {"NODE_RANK": "1", "MASTER_PORT": port, "TRAINER": trainer},
+            [*args, *extra],
+        )  # fmt: skip
+        assert "1 process(es) per node x 2 node(s)" in out0 + out1
+        if trainer == "lightning":
+            assert world_size_reported(out0 + out1) == 2 and "launcher: torchrun" in out0 + out1
+    (lightning,) = runs(log_dir)  # both nodes agreed on one run folder
+    assert_same_training(lightning, tmp_path / "raw")
 
 
 def test_two_nodes_c10d_rendezvous(base_args, log_dir) -> None:
@@ -317,6 +313,43 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
     code, out = finish(start([*cmd, "crash"]), 60)
     assert code == 1 and "error: rank 1" in out and "exited with code 3" in out, out
     assert "Traceback" not in out and "ChildFailedError" not in out
+
+
+WORKER_THAT_STOPS = f"""
+import signal, sys, time
+from {launcher.__name__} import report_exit
+
+def stop(signum, frame):
+    sys.stdout.write(signal.Signals(signum).name + " received\\n")  # one write: a shared pipe
+    sys.stdout.flush()
+    sys.exit({launcher.EXIT_PREEMPTED})  # as a training worker after saving last.ckpt
+
+with report_exit():
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+        signal.signal(signum, stop)
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT])
+def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
+    """A stop signal to the launcher reaches every worker, and the job ends 143 once they
+    stopped. SIGUSR1/SIGUSR2 (SLURM's and submitit's warnings) used to kill torchrun alone and
+    leave the workers training; SIGTERM stopped them but the job exited 1."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER_THAT_STOPS)
+    proc = start([sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
+                  str(worker)])  # fmt: skip
+    out = ""
+    while out.count("ready") < 2 and proc.poll() is None:
+        out += proc.stdout.readline()
+    proc.send_signal(signum)
+    code, rest = finish(proc, 90)
+    out += rest
+    assert code == launcher.EXIT_PREEMPTED, out
+    assert out.count(f"{signum.name} received") == 2, out  # every worker got it
+    assert "the workers saved last.ckpt" in out and "Traceback" not in out, out
 
 
 def test_unknown_trainer_switch() -> None:

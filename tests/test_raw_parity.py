@@ -13,11 +13,9 @@ from project.engine.raw_keys import classify
 from project.engine.schema import check_schema
 from tests.conftest import (
     CHARLM,
-    ROOT,
     assert_groups_closed,
     exit_check_env,
     finish,
-    free_port,
     run_script,
     start,
 )
@@ -114,24 +112,29 @@ def final_weights(run_dir: Path, trainer: str) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
-def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
-    lightning = run_trainer("project.train", args, tmp / "lightning", nproc)
-    raw = run_trainer("project.raw_train", args, tmp / "raw", nproc)
-    assert len(raw["losses"]) >= 20
-    assert lightning["losses"] == raw["losses"]  # bitwise, every step
-    a, b = final_weights(tmp / "lightning", "lightning"), final_weights(tmp / "raw", "raw")
+def assert_same_training(lightning: Path, raw: Path) -> None:
+    """Two run folders of one config, one per trainer: the same loss at every step (bitwise),
+    the same final weights and metrics (to float noise)."""
+    losses = [
+        json.loads((run / "step_stats.json").read_text())["losses"] for run in (lightning, raw)
+    ]
+    assert len(losses[1]) >= 20
+    assert losses[0] == losses[1]  # bitwise, every step
+    a, b = final_weights(lightning, "lightning"), final_weights(raw, "raw")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
-    metrics = [json.loads((tmp / t / "metrics.json").read_text()) for t in ("lightning", "raw")]
+    metrics = [json.loads((run / "metrics.json").read_text()) for run in (lightning, raw)]
     shared = [k for k in metrics[1] if k in metrics[0]]  # Lightning also logs lr, loss_step
     assert {"val/loss", "test/loss"} <= set(shared)
     for key in shared:
         assert metrics[0][key] == pytest.approx(metrics[1][key], abs=1e-6), key
 
 
-def test_parity_one_process_default_config(base_args, tmp_path) -> None:
-    assert_parity(tmp_path, [*base_args, *SHORT])
+def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
+    for module, trainer in (("project.train", "lightning"), ("project.raw_train", "raw")):
+        run_trainer(module, args, tmp / trainer, nproc)
+    assert_same_training(tmp / "lightning", tmp / "raw")
 
 
 def test_parity_one_process_cnn_accumulation_clipping(base_args, tmp_path) -> None:
@@ -147,32 +150,15 @@ def test_parity_two_processes_charlm(base_args, tmp_path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_static"])
-def test_parity_two_processes_torchrun(base_args, tmp_path, strategy: str) -> None:
-    assert_parity(tmp_path, [*base_args, *SHORT, f"strategy={strategy}"], nproc=2)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_parity_two_processes_find_unused(base_args, tmp_path) -> None:
-    assert_parity(tmp_path, [*base_args, *SHORT, "strategy=ddp_unused"], nproc=2)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_parity_two_node_localhost_simulation(base_args, tmp_path) -> None:
-    script = str(ROOT / "launch" / "multinode.sh")
-    losses = {}
-    for trainer in ("lightning", "raw"):
-        port = str(free_port())
-        args = [*base_args, *SHORT, f"hydra.run.dir={tmp_path / trainer}"]
-        env = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_PORT": port, "TRAINER": trainer}
-        procs = [start([script, *args], NODE_RANK=str(rank), **env) for rank in (0, 1)]
-        for proc in procs:
-            code, out = finish(proc, timeout=240)
-            assert code == 0, out[-4000:]
-        losses[trainer] = json.loads((tmp_path / trainer / "step_stats.json").read_text())["losses"]
-    assert len(losses["raw"]) >= 20 and losses["lightning"] == losses["raw"]
+@pytest.mark.parametrize(
+    "strategy", ["ddp", "ddp_static", pytest.param("ddp_unused", marks=pytest.mark.slow)]
+)
+def test_parity_two_processes_torchrun(torchrun_runs, strategy: str) -> None:
+    """Both trainers under launch/single_node.sh with each DDP preset (the Lightning runs are
+    the ones the DDP-option tests in test_launch.py compare with plain DDP)."""
+    options = () if strategy == "ddp" else (f"strategy={strategy}",)  # ddp: the default
+    lightning, raw = torchrun_runs(*options), torchrun_runs(*options, trainer="raw")
+    assert_same_training(lightning.dir, raw.dir)
 
 
 def test_raw_trainer_refuses_to_start_processes_itself(base_args) -> None:
@@ -182,29 +168,14 @@ def test_raw_trainer_refuses_to_start_processes_itself(base_args) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_raw_trainer_resumes_from_its_checkpoint(base_args, tmp_path) -> None:
-    first = tmp_path / "first"
-    run_trainer("project.raw_train", [*base_args, "trainer.max_epochs=2", "step_stats=true",
-                                      "callbacks.early_stopping=null"], first)  # fmt: skip
-    state = torch.load(first / "checkpoints" / "last.pt", weights_only=True)
-    assert state["epoch"] == 2 and state["global_step"] > 0
-    resumed = run_trainer(
-        "project.raw_train",
-        [*base_args, "trainer.max_epochs=3", "step_stats=true",
-         f"ckpt_path={first / 'checkpoints' / 'last.pt'}"],
-        tmp_path / "resumed",
-    )  # fmt: skip
-    per_epoch = state["global_step"] // 2
-    assert len(resumed["losses"]) == per_epoch  # only the third epoch ran
-
-
 def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
-    plt = pytest.importorskip("matplotlib.pyplot")  # dev installs it (.[plot])
+    """Also the parity check of the default config on one process: the compare runs."""
     args = ["--repeats", "1", "--warmup", "5", *base_args, "trainer.max_epochs=2"]
     proc = run_script("-m project.compare", args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "bitwise equal" in proc.stdout
     out_dir = next((log_dir / "compare" / "runs").iterdir())
+    assert_same_training(out_dir / "lightning" / "r0", out_dir / "raw" / "r0")
     summary = json.loads((out_dir / "compare.json").read_text())
     assert summary["max_abs_loss_diff"] == 0.0 and summary["losses_bitwise_equal"]
     assert summary["lightning_over_raw_step_time"] > 0
@@ -212,5 +183,6 @@ def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
     assert "| steady step time (ms, median) |" in (out_dir / "compare.md").read_text()
     for trainer in ("lightning", "raw"):  # both trainers' curves under the compare folder
         assert list((out_dir / trainer / "r0" / "tensorboard").glob("events.out.tfevents.*"))
+    plt = pytest.importorskip("matplotlib.pyplot")  # dev installs it (.[plot])
     image = plt.imread(out_dir / "compare.png")  # a real PNG: losses and step-time panels
     assert image.shape[:2] == (400, 1100) and image.std() > 0.05

@@ -85,7 +85,7 @@ def test_two_nodes_from_another_folder_requeued_on_a_batch_signal(slurm, data_di
     the recipe ran only from the repo root; a signal to the batch shell alone killed it."""
     log_dir, submit_dir = tmp_path / "logs", tmp_path / "elsewhere"
     submit_dir.mkdir()
-    job_id = submit(submit_dir, run_args(data_dir, log_dir, 60), "--nodes=2")
+    job_id = submit(submit_dir, run_args(data_dir, log_dir, 20), "--nodes=2")
     signal_after_first_checkpoint(job_id, log_dir, "--batch", "--signal=USR1")
     state = finished(job_id)
     output = (submit_dir / f"{JOB_NAME}-{job_id}.out").read_text()
@@ -105,7 +105,7 @@ def test_two_jobs_side_by_side_and_a_signal_to_every_task(slurm, data_dir, tmp_p
     # overwrite NPROC_PER_NODE, and set OMP_NUM_THREADS=0, which crashes every rank).
     env = {k: v for k, v in child_env(NPROC_PER_NODE="2").items() if k != "OMP_NUM_THREADS"}
     jobs = [
-        submit(tmp_path, run_args(data_dir, log_dir, 60)),
+        submit(tmp_path, run_args(data_dir, log_dir, 20)),
         submit(tmp_path, run_args(data_dir, log_dir, 20), "--cpus-per-task=1", env=env),
     ]
     signal_after_first_checkpoint(jobs[0], log_dir, "--signal=TERM")
