@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from project import launcher
+from project.engine.signals import STOP_SIGNALS
 from tests.conftest import ROOT, finish, free_port, read_scalars, start
 from tests.test_raw_parity import assert_same_training
 
@@ -288,6 +289,14 @@ def test_missing_node_is_reported_not_waited_on(base_args) -> None:
     assert time.monotonic() - began < 60
 
 
+def read_until(proc: subprocess.Popen[str], word: str, times: int) -> str:
+    """`proc`'s output up to the line where `word` has appeared `times` times (or its end)."""
+    out = ""
+    while out.count(word) < times and proc.poll() is None:
+        out += proc.stdout.readline()
+    return out
+
+
 def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
     """A signal that arrives after the workers finished is exit 0 (SLURM would requeue a
     finished job on 143); a crash is exit 1 with one line naming the rank."""
@@ -304,9 +313,7 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
     cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
            str(worker)]  # fmt: skip
     proc = start([*cmd, "linger"])
-    out = ""
-    while out.count("finished") < 2 and proc.poll() is None:
-        out += proc.stdout.readline()
+    out = read_until(proc, "finished", 2)
     proc.send_signal(signal.SIGTERM)
     code, rest = finish(proc, 60)
     assert code == 0 and "arrived after training had finished" in rest, out + rest
@@ -325,14 +332,14 @@ def stop(signum, frame):
     sys.exit({launcher.EXIT_PREEMPTED})  # as a training worker after saving last.ckpt
 
 with report_exit():
-    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+    for signum in {[int(s) for s in STOP_SIGNALS]}:  # project.engine.signals' own list
         signal.signal(signum, stop)
     print("ready", flush=True)
     time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT])
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda s: s.name)
 def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
     """A stop signal to the launcher reaches every worker, and the job ends 143 once they
     stopped. SIGUSR1/SIGUSR2 (SLURM's and submitit's warnings) used to kill torchrun alone and
@@ -341,9 +348,7 @@ def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
     worker.write_text(WORKER_THAT_STOPS)
     proc = start([sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
                   str(worker)])  # fmt: skip
-    out = ""
-    while out.count("ready") < 2 and proc.poll() is None:
-        out += proc.stdout.readline()
+    out = read_until(proc, "ready", 2)
     proc.send_signal(signum)
     code, rest = finish(proc, 90)
     out += rest
