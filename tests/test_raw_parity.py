@@ -179,6 +179,9 @@ def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
     summary = json.loads((out_dir / "compare.json").read_text())
     assert summary["max_abs_loss_diff"] == 0.0 and summary["losses_bitwise_equal"]
     assert summary["lightning_over_raw_step_time"] > 0
+    assert summary["lightning_over_raw_each"] == [
+        pytest.approx(summary["lightning_over_raw_step_time"], abs=1e-3)
+    ]
     assert summary["lightning"]["steady_step_ms_median"] > 0
     assert "| steady step time (ms, median) |" in (out_dir / "compare.md").read_text()
     for trainer in ("lightning", "raw"):  # both trainers' curves under the compare folder
@@ -186,3 +189,21 @@ def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
     plt = pytest.importorskip("matplotlib.pyplot")  # dev installs it (.[plot])
     image = plt.imread(out_dir / "compare.png")  # a real PNG: losses and step-time panels
     assert image.shape[:2] == (400, 1100) and image.std() > 0.05
+
+
+@pytest.mark.quick
+def test_compare_summary_shows_each_repeat_pair() -> None:
+    """Medians over repeats, and the spread of the back-to-back pairs' ratios beside them."""
+    from project.compare import summarise, table
+
+    def run(step_ms: float) -> dict:
+        stats = {"step_starts_s": [i * step_ms / 1000 for i in range(12)], "losses": [1.0] * 12,
+                 "peak_rss_mib": 1.0, "peak_gpu_mib": None}  # fmt: skip
+        return {"stats": stats, "metrics": {}, "dir": "d"}
+
+    results = {"lightning": [run(6.0), run(4.5), run(5.0)], "raw": [run(3.0), run(3.0), run(5.0)]}
+    summary = summarise(results, warmup=1)
+    assert summary["lightning_over_raw_each"] == [2.0, 1.5, 1.0]
+    assert summary["lightning_over_raw_step_time"] == pytest.approx(5.0 / 3.0)
+    assert summary["losses_bitwise_equal"]
+    assert "**1.667x** (+2000 us per step; repeats 1.000x-2.000x)" in table(summary)

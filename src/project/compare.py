@@ -119,6 +119,9 @@ def summarise(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str
     summary["lightning_minus_raw_step_us"] = 1000 * (
         lightning["steady_step_ms_median"] - raw["steady_step_ms_median"]
     )
+    # Repeat i of each trainer ran back to back: their ratio shows how much one pair can say.
+    pairs = zip(lightning["steady_step_ms_each"], raw["steady_step_ms_each"], strict=False)
+    summary["lightning_over_raw_each"] = [round(a / b, 4) for a, b in pairs]
     return summary
 
 
@@ -152,9 +155,11 @@ def table(summary: dict[str, Any]) -> str:
             rows.append((key, f"{L['metrics'][key]:.4f}", f"{R['metrics'][key]:.4f}"))
     lines = ["| | Lightning | raw DDP |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    each = summary.get("lightning_over_raw_each") or []
+    spread = f"; repeats {min(each):.3f}x-{max(each):.3f}x" if len(each) > 1 else ""
     lines.append(
         f"\nLightning / raw steady step time: **{summary['lightning_over_raw_step_time']:.3f}x** "
-        f"({summary['lightning_minus_raw_step_us']:+.0f} us per step)"
+        f"({summary['lightning_minus_raw_step_us']:+.0f} us per step{spread})"
     )
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
@@ -51,6 +52,15 @@ class DataModule(pl.LightningDataModule):
             self.sets[stage], stage, h.batch_size, h.num_workers, h.pin_memory,
             h.persistent_workers,
         )  # fmt: skip
+
+    def transfer_batch_to_device(
+        self, batch: Any, device: torch.device, dataloader_idx: int
+    ) -> Any:
+        # The loaders yield CPU tensors: on a CPU run there is nothing to move, and Lightning's
+        # default walks the whole batch every step to find that out.
+        if device.type == "cpu":
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")
