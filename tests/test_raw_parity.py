@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from project.compare import summarise, table
 from project.engine.raw_keys import classify
 from project.engine.schema import check_schema
 from tests.conftest import (
@@ -194,7 +195,6 @@ def test_compare_command_writes_table_and_json(base_args, log_dir) -> None:
 @pytest.mark.quick
 def test_compare_summary_shows_each_repeat_pair() -> None:
     """Medians over repeats, and the spread of the back-to-back pairs' ratios beside them."""
-    from project.compare import summarise, table
 
     def run(step_ms: float) -> dict:
         stats = {"step_starts_s": [i * step_ms / 1000 for i in range(12)], "losses": [1.0] * 12,

@@ -62,7 +62,8 @@ class TaskModule(pl.LightningModule):
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         # Called after every backward; Lightning's default validates its arguments even when
-        # there is nothing to clip (trainer.gradient_clip_val null or 0), as the raw trainer.
+        # there is nothing to clip (trainer.gradient_clip_val null or 0). The raw trainer too
+        # clips only when the value is set.
         if gradient_clip_val:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
