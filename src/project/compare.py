@@ -155,7 +155,7 @@ def table(summary: dict[str, Any]) -> str:
             rows.append((key, f"{L['metrics'][key]:.4f}", f"{R['metrics'][key]:.4f}"))
     lines = ["| | Lightning | raw DDP |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    each = summary.get("lightning_over_raw_each") or []
+    each = summary["lightning_over_raw_each"]
     spread = f"; repeats {min(each):.3f}x-{max(each):.3f}x" if len(each) > 1 else ""
     lines.append(
         f"\nLightning / raw steady step time: **{summary['lightning_over_raw_step_time']:.3f}x** "

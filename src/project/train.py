@@ -72,7 +72,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # Before Lightning is imported (checking the targets imports it) and anything is built:
     # a bad checkpoint stops here with one line, nothing written; a finished run (a sweep
     # job's too) answers in seconds.
-    resume = find_resume(to_plain(cfg), last_checkpoint(cfg, output_dir), kind="state_dict")
+    last = last_checkpoint(cfg, output_dir)  # where callbacks.fault_tolerance keeps last.ckpt
+    resume = find_resume(to_plain(cfg), last, kind="state_dict")
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg)
@@ -149,7 +150,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
         elif resume.finished:  # training finished, its testing did not: test only
             metrics.update(resume.metrics)
         if cfg.test:
-            last = fault_tolerance.path if fault_tolerance else None
             ckpt = test_checkpoint(trainer, cfg, last, resume)
             log.info(f"Testing {ckpt or 'the current weights'}")
             trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)

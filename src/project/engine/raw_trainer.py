@@ -391,8 +391,9 @@ class RawTrainer:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
         began = time.monotonic()
         if self.is_zero:
-            atomic_save(self.state_dict(), self.last_path())
-            log.info(f"Saved {self.last_path()} at step {self.global_step}")
+            path = self.last_path()
+            atomic_save(self.state_dict(), path)
+            log.info(f"Saved {path} at step {self.global_step}")
         self.barrier()
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
 
