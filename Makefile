@@ -71,4 +71,4 @@ format: $(DEV_STAMP)
 # schema/<group>.json (for editors) from the typed-config dataclasses in
 # src/project/engine/schema.py; a test fails while the committed files are stale.
 schema: $(DEV_STAMP)
-	$(PY) -m project.engine.schema schema
+	$(PY) -m project.engine.config.schema schema

@@ -1,71 +1,26 @@
-"""Shared test helpers: run the real CLIs in subprocesses, compose configs in-process."""
+"""The tests' fixtures and hooks (plain helpers live in tests/helpers.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = ROOT / "configs"
-
-# Quiet, fast, reproducible children: one thread per rank (2 threads per rank on 2 cores makes
-# DDP ~4x slower and changes losses at 1e-7), no progress bar noise.
-QUIET = ["trainer.enable_progress_bar=false", "callbacks.progress_bar=null"]
-# experiment=charlm, small: 2 epochs of 12 steps of 8 windows of 32 characters, a narrow GPT.
-CHARLM = ["experiment=charlm", "trainer.max_epochs=2", "trainer.limit_train_batches=12",
-          "trainer.limit_val_batches=4", "trainer.limit_test_batches=2", "model.net.d_model=32",
-          "model.net.n_head=2", "data.batch_size=8", "data.dataset.block_size=32"]  # fmt: skip
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RUN_ID", "HYDRA_FULL_ERROR")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def exit_check_env() -> dict[str, str]:
-    """Environment for a distributed run whose workers report at exit whether they closed
-    their process group (tests/exit_check/sitecustomize.py); see assert_groups_closed."""
-    paths = [str(ROOT / "tests" / "exit_check"), os.environ.get("PYTHONPATH", "")]
-    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-
-
-def assert_groups_closed(out: str, nproc: int) -> None:
-    """Every one of `nproc` workers closed its process group before the interpreter exit."""
-    closed = [ln for ln in out.splitlines() if ln.startswith("exit check:")]
-    assert len(closed) == nproc and all(ln.endswith("closed") for ln in closed), closed
-
-
-def run_script(
-    script: str, args: Sequence[str], timeout: float = 240, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """Run `python <script> args...` (or `python -m module` for script="-m module") from the
-    repo root; returns the completed process."""
-    target = script.split() if script.startswith("-m ") else [str(ROOT / script)]
-    return subprocess.run(
-        [sys.executable, *target, *args],
-        cwd=ROOT,
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """All scalar series from the TensorBoard event files under `tb_dir`: tag -> [(step, value)]."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+from tests.helpers import (
+    CONFIG_DIR,
+    QUIET,
+    STARTED,
+    TORCHRUN_ARGS,
+    Run,
+    assert_groups_closed,
+    exit_check_env,
+    group_alive,
+    run_launch,
+)
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +50,7 @@ def compose_train(data_dir: Path, tmp_path: Path) -> Iterator:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from project.engine.config import register_resolvers
+    from project.engine.config.compose import register_resolvers
 
     register_resolvers()
 
@@ -119,23 +74,6 @@ def compose_train(data_dir: Path, tmp_path: Path) -> Iterator:
     GlobalHydra.instance().clear()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of process group `pgid` still exists."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 DISTRIBUTED_TIMEOUT_S = 300  # a 2-process test here takes well under a minute
 
 
@@ -157,19 +95,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
 
 
-STARTED: list[subprocess.Popen[str]] = []  # this test's process groups (see reap_processes)
-
-
-def start(cmd: Sequence[str], **env: str) -> subprocess.Popen[str]:
-    """Start `cmd` from the repo root in its own process group (so a test can see strays)."""
-    proc = subprocess.Popen(
-        list(cmd), cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    STARTED.append(proc)
-    return proc
-
-
 @pytest.fixture(autouse=True)
 def reap_processes() -> Iterator[None]:
     """Whatever ends a test (a failure, pytest-timeout's limit), the process groups it started
@@ -186,43 +111,6 @@ def reap_processes() -> Iterator[None]:
             with contextlib.suppress(ValueError, subprocess.TimeoutExpired):
                 out, _ = proc.communicate(timeout=10)
                 print(f"--- killed after the test: {' '.join(proc.args)}\n{(out or '')[-3000:]}")
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str]:
-    """Wait for `proc`; kill its whole group if it overruns. Returns (exit code, output)."""
-    import signal
-    import time
-
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s:\n{out[-3000:]}") from None
-    deadline = time.monotonic() + 10
-    while group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not group_alive(proc.pid), f"processes left behind by {proc.args}"
-    return proc.returncode, out
-
-
-def run_launch(script: str, args: Sequence[str], timeout: float = 180, **env: str) -> str:
-    """Run a launch script to success; returns its output."""
-    code, out = finish(start([str(ROOT / "launch" / script), *args], **env), timeout)
-    assert code == 0, out[-4000:]
-    return out
-
-
-# The 2-process runs of torchrun_runs: 2 epochs of 10 steps per rank, every step's loss in
-# TensorBoard and in step_stats.json.
-TORCHRUN_ARGS = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "step_stats=true",
-                 *QUIET]  # fmt: skip
-
-
-@dataclass
-class Run:
-    dir: Path  # the run folder
-    out: str  # what the job printed
 
 
 @pytest.fixture(scope="session")
@@ -251,3 +139,36 @@ def torchrun_runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> C
         return done[overrides, trainer, attempt]
 
     return get
+
+
+@pytest.fixture
+def netns_pair():
+    """Two network namespaces joined by a veth pair: two hosts with a real interface between."""
+    import shutil
+    import uuid
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (`ip`) to create network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    ns, dev = (f"pj{tag}a", f"pj{tag}b"), (f"vj{tag}a", f"vj{tag}b")
+    addrs = ("198.18.0.1", "198.18.0.2")  # benchmark-test range: never a real host
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        ip("netns", "add", ns[0])
+        ip("netns", "add", ns[1])
+        ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in range(2):
+            ip("link", "set", dev[i], "netns", ns[i])
+            ip("-n", ns[i], "addr", "add", f"{addrs[i]}/24", "dev", dev[i])
+            ip("-n", ns[i], "link", "set", dev[i], "up")
+            ip("-n", ns[i], "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for name in ns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {err.stderr.decode().strip()}")
+    yield ns, dev, addrs
+    for name in ns:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

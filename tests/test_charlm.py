@@ -9,9 +9,7 @@ import pytest
 
 from project.data.text import CharCorpus, read_corpus, unigram_baseline
 from project.engine.errors import UserError
-from tests.conftest import CHARLM, run_script
-from tests.test_cli import assert_one_line_error
-from tests.test_train import logged_metrics
+from tests.helpers import CHARLM, assert_one_line_error, logged_metrics, run_script
 
 
 @pytest.mark.quick

@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUIET, ROOT, finish, read_scalars, start
+from tests.helpers import (
+    QUIET,
+    ROOT,
+    SHORT_NO_TEST,
+    finish,
+    one_error_line,
+    read_scalars,
+    start,
+)
 
-SHORT = ["trainer.max_epochs=3", "test=false"]
 FINISHED = ["trainer.max_epochs=2"]  # the shared finished run's own overrides
 TRAINERS = {"lightning": ("project.train", "last.ckpt"), "raw": ("project.raw_train", "last.pt")}
 # The raw trainer's twins of these checks run in the slow tier (make test-slow).
@@ -54,13 +61,6 @@ def finished_copy(finished_runs, trainer: str, log_dir: Path, run_id: str) -> Pa
     return run_dir
 
 
-def one_error_line(out: str) -> str:
-    """The output must hold exactly one `error:` line and no traceback; returns it."""
-    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
-    return errors[0]
-
-
 def test_last_ckpt_is_the_newest_although_val_loss_got_worse(base_args, log_dir) -> None:
     """Step-cadence saves before the first epoch end used to make Lightning write every later
     "last" into last-v1.ckpt; and Lightning 2.6 refreshes save_last only when val/loss improves.
@@ -83,8 +83,8 @@ def test_last_ckpt_is_the_newest_although_val_loss_got_worse(base_args, log_dir)
 def test_last_checkpoint_written_every_epoch(base_args, log_dir, trainer) -> None:
     """Also on epochs without validation (check_val_every_n_epoch=2)."""
     module, name = TRAINERS[trainer]
-    args = [*base_args, *SHORT, "trainer.check_val_every_n_epoch=2", "fault_injection.at_step=45",
-            "callbacks.early_stopping=null"]  # fmt: skip
+    args = [*base_args, *SHORT_NO_TEST, "trainer.check_val_every_n_epoch=2",
+            "fault_injection.at_step=45", "callbacks.early_stopping=null"]  # fmt: skip
     code, out = run(module, args, "e")
     assert code == -9, out[-3000:]  # SIGKILLed in epoch 2 (0-based): no chance to save then
     state = torch.load(log_dir / "train/runs/e/checkpoints" / name, weights_only=True)
@@ -129,7 +129,7 @@ def test_run_folder_refuses_another_config_and_keeps_its_record(
     record = (run_dir / ".hydra/config.yaml").read_bytes()
     ckpt = (run_dir / "checkpoints" / name).read_bytes()
     for override, key in (("seed=7", "seed: 42 there, 7 now"), ("model=cnn", "model.net._target_")):
-        code, out = run(module, [*base_args, *SHORT, override], "same")
+        code, out = run(module, [*base_args, *SHORT_NO_TEST, override], "same")
         assert code == 2, out[-3000:]
         line = one_error_line(out)
         assert key in line and "another RUN_ID" in line, line
@@ -145,17 +145,17 @@ def test_bad_checkpoint_input_is_one_line(base_args, log_dir, tmp_path, trainer)
     ckpt_dir = log_dir / "train/runs/bad/checkpoints"
     ckpt_dir.mkdir(parents=True)
     (ckpt_dir / name).write_bytes(b"PK\x03\x04 half a checkpoint")
-    code, out = run(module, [*base_args, *SHORT], "bad")
+    code, out = run(module, [*base_args, *SHORT_NO_TEST], "bad")
     assert code == 2 and f"{ckpt_dir / name} cannot be read" in one_error_line(out)
     assert (ckpt_dir / name).read_bytes() == b"PK\x03\x04 half a checkpoint"
     # A missing ckpt_path.
-    code, out = run(module, [*base_args, *SHORT, f"ckpt_path={tmp_path}/nope.ckpt"])
+    code, out = run(module, [*base_args, *SHORT_NO_TEST, f"ckpt_path={tmp_path}/nope.ckpt"])
     assert code == 2 and "does not exist" in one_error_line(out)
     # The other trainer's checkpoint.
     other = tmp_path / "other"
     other.write_bytes(b"")
     torch.save({"state_dict": {}} if trainer == "raw" else {"model": {}}, other)
-    code, out = run(module, [*base_args, *SHORT, f"ckpt_path={other}"])
+    code, out = run(module, [*base_args, *SHORT_NO_TEST, f"ckpt_path={other}"])
     assert code == 2 and "not a checkpoint of this trainer" in one_error_line(out)
 
 
@@ -183,7 +183,7 @@ def test_raw_trainer_resumes_from_an_explicit_checkpoint(base_args, finished_run
 @pytest.mark.slow
 def test_explicit_checkpoint_of_another_network_is_one_line(base_args, finished_runs) -> None:
     last = finished_runs("lightning") / "checkpoints/last.ckpt"  # read, never written
-    code, out = run("project.train", [*base_args, *SHORT, "model=cnn", f"ckpt_path={last}"])
+    code, out = run("project.train", [*base_args, *SHORT_NO_TEST, "model=cnn", f"ckpt_path={last}"])
     assert code == 2
     assert "holds another network (model.net._target_" in one_error_line(out)
     # Another seed, more epochs: allowed from an explicit checkpoint (it starts a new run).
@@ -197,7 +197,7 @@ def test_read_only_log_dir_is_one_line(base_args, log_dir) -> None:
     log_dir.mkdir()
     log_dir.chmod(stat.S_IRUSR | stat.S_IXUSR)
     try:
-        code, out = run("project.train", [*base_args, *SHORT])
+        code, out = run("project.train", [*base_args, *SHORT_NO_TEST])
     finally:
         log_dir.chmod(stat.S_IRWXU)
     assert code == 2 and "cannot be written" in one_error_line(out)
@@ -207,7 +207,7 @@ def test_read_only_log_dir_is_one_line_as_root(base_args, log_dir, tmp_path) -> 
     """root ignores permission bits: a log_dir below a regular file cannot be created."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    args = [*base_args, *SHORT, f"paths.log_dir={blocker}/logs"]
+    args = [*base_args, *SHORT_NO_TEST, f"paths.log_dir={blocker}/logs"]
     code, out = run("project.train", args)
     assert code == 2 and str(blocker) in one_error_line(out)
 
@@ -240,7 +240,12 @@ def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None
     ckpt_dir.mkdir(parents=True)
     (ckpt_dir / "last.ckpt").write_bytes(b"not a checkpoint")
     script = str(ROOT / "launch" / "single_node.sh")
-    proc = start([script, *base_args, *SHORT], NPROC_PER_NODE="2", MAX_RESTARTS="3", RUN_ID="bad")
+    proc = start(
+        [script, *base_args, *SHORT_NO_TEST],
+        NPROC_PER_NODE="2",
+        MAX_RESTARTS="3",
+        RUN_ID="bad",
+    )
     code, out = finish(proc, 120)
     assert code == 2, out[-3000:]
     # One attempt: each rank prints its line, unless torchrun stopped it first (the first

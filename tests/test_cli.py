@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, child_env, run_script
+from tests.helpers import ROOT, assert_one_line_error, child_env, run_script
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -39,15 +39,6 @@ def test_cfg_job_shows_composed_config() -> None:
     proc = run_script("train.py", ["--cfg", "job", "model=cnn", "trainer.max_epochs=3"])
     assert proc.returncode == 0
     assert "project.models.cnn.CNN" in proc.stdout and "max_epochs: 3" in proc.stdout
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr
-    for needle in needles:
-        assert needle in errors[0], errors[0]
 
 
 def test_unknown_group_option() -> None:

@@ -8,16 +8,12 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from project.engine import ddp
-from project.engine.tracking import MLflowRun
-from project.train import instantiate_all
-from tests.conftest import CONFIG_DIR
+from project.engine.launch import ddp
+from project.engine.lightning.build import instantiate_all
+from project.engine.lightning.tracking import MLflowRun
+from tests.helpers import CONFIG_DIR, options
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
 def test_every_group_has_options() -> None:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, finish, free_port, start
-from tests.test_launch import netns_pair  # noqa: F401 - the fixture
+from tests.helpers import ROOT, finish, free_port, start, torchrun
 
 pytestmark = pytest.mark.distributed
 DOCTOR = [sys.executable, "-m", "project.doctor"]
@@ -50,9 +49,9 @@ def test_own_rendezvous_two_processes(log_dir) -> None:
 
 @pytest.mark.slow
 def test_under_torchrun_with_tensor_parallel_groups(log_dir) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd = [*torchrun, "--nproc-per-node=2", "-m", "project.doctor", "--tp", "2",
-           "--max-mb", "0.1", "--log-dir", str(log_dir)]  # fmt: skip
+    cmd = torchrun(
+        ["-m", "project.doctor", "--tp", "2", "--max-mb", "0.1", "--log-dir", str(log_dir)]
+    )
     code, out = finish(start(cmd), 120)
     assert code == 0, out[-3000:]
     doc = report(log_dir)
@@ -116,7 +115,7 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrong_interface", [False, True], ids=["right", "wrong-interface"])
-def test_two_hosts_in_network_namespaces(netns_pair, log_dir, wrong_interface) -> None:  # noqa: F811
+def test_two_hosts_in_network_namespaces(netns_pair, log_dir, wrong_interface) -> None:
     ns, dev, addrs = netns_pair
     port = "29561"
     procs = []

@@ -14,27 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.engine.signals import STOP_SIGNALS
-from project.launcher import EXIT_PREEMPTED
-from tests.conftest import CHARLM, ROOT, assert_groups_closed, exit_check_env, finish, start
+from project.engine.launch.exits import EXIT_PREEMPTED
+from project.engine.launch.signals import STOP_SIGNALS
+from tests.helpers import (
+    CHARLM,
+    ROOT,
+    assert_groups_closed,
+    assert_same_weights,
+    exit_check_env,
+    finish,
+    start,
+)
 
 # The CNN has dropout, so exact resume also needs the RNG states back.
 ARGS = ["model=cnn", "trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null"]
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpt_dir = run_dir / "checkpoints"
-    if (ckpt_dir / "last.pt").is_file():  # the raw trainer
-        return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
-    state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
-    return {k.removeprefix("task."): v for k, v in state.items()}
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), f"{key} differs"  # bitwise
 
 
 def python_run(module: str, args: list[str], run_id: str, timeout: float = 180) -> tuple[int, str]:
@@ -186,7 +179,7 @@ def test_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path) -> N
     path = tmp_path / "last.ckpt"
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from project.engine.callbacks import AtomicCheckpointIO
+        from project.engine.lightning.callbacks import AtomicCheckpointIO
         io = AtomicCheckpointIO()
         io.save_checkpoint({{"step": 1, "w": torch.ones(1000)}}, {str(path)!r})
         real_save = torch.save
@@ -261,7 +254,7 @@ def test_every_stop_signal_stops_a_worker_at_the_next_check() -> None:
     """Each stop signal, really sent, sets the flag the ranks agree on at the next check."""
     script = textwrap.dedent("""
         import os, torch
-        from project.engine.signals import STOP_SIGNALS, StopSignal
+        from project.engine.launch.signals import STOP_SIGNALS, StopSignal
         for signum in STOP_SIGNALS:
             stop = StopSignal(every_n_steps=1)
             stop.install()

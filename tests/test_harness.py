@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, child_env
+from tests.helpers import ROOT, child_env
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -32,7 +32,7 @@ def test_a_hung_test_fails_and_its_processes_are_killed(tmp_path) -> None:
         textwrap.dedent(f"""
         import sys
         import pytest
-        from tests.conftest import start
+        from tests.helpers import start
 
         @pytest.mark.timeout(3)
         def test_hangs():

@@ -9,27 +9,28 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from project import launcher
-from project.engine.signals import STOP_SIGNALS
-from tests.conftest import ROOT, finish, free_port, read_scalars, start
-from tests.test_raw_parity import assert_same_training
+from project.engine.launch import exits
+from project.engine.launch.signals import STOP_SIGNALS
+from tests.helpers import (
+    ROOT,
+    SHORT_LOGGED,
+    assert_same_training,
+    finish,
+    free_port,
+    start,
+    step_losses,
+    torchrun,
+)
 
 pytestmark = pytest.mark.distributed
-
-SHORT = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "test=false"]
 
 
 def runs(log_dir: Path) -> list[Path]:
     return sorted((log_dir / "train" / "runs").iterdir())
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [v for _, v in read_scalars(run_dir / "tensorboard")["train/loss_step"]]
 
 
 def world_size_reported(out: str) -> int:
@@ -51,7 +52,7 @@ def test_torchrun_standalone_two_processes(torchrun_runs) -> None:
 
 
 def test_torchrun_losses_identical_on_rerun(torchrun_runs) -> None:
-    first, second = (losses(torchrun_runs(attempt=i).dir) for i in (0, 1))
+    first, second = (step_losses(torchrun_runs(attempt=i).dir) for i in (0, 1))
     assert len(first) >= 20 and first == second
 
 
@@ -67,7 +68,7 @@ def test_torchrun_losses_identical_on_rerun(torchrun_runs) -> None:
 def test_ddp_presets_match_plain_ddp(torchrun_runs, options) -> None:
     run = torchrun_runs(*options)
     assert world_size_reported(run.out) == 2
-    assert losses(run.dir) == losses(torchrun_runs().dir)  # bitwise
+    assert step_losses(run.dir) == step_losses(torchrun_runs().dir)  # bitwise
 
 
 def two_nodes(env0: dict, env1: dict, args: list[str], wrap0=(), wrap1=()) -> tuple[str, str]:
@@ -102,39 +103,9 @@ def test_two_nodes_static_rendezvous(base_args, log_dir, tmp_path) -> None:
 
 def test_two_nodes_c10d_rendezvous(base_args, log_dir) -> None:
     env = {"RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "c10d-test"}
-    out0, out1 = two_nodes(env, env, [*base_args, *SHORT])
+    out0, out1 = two_nodes(env, env, [*base_args, *SHORT_LOGGED])
     assert world_size_reported(out0 + out1) == 2
     assert [r.name for r in runs(log_dir)] == ["torchrun-c10d-test"]
-
-
-@pytest.fixture
-def netns_pair():
-    """Two network namespaces joined by a veth pair: two hosts with a real interface between."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (`ip`) to create network namespaces")
-    tag = uuid.uuid4().hex[:6]
-    ns, dev = (f"pj{tag}a", f"pj{tag}b"), (f"vj{tag}a", f"vj{tag}b")
-    addrs = ("198.18.0.1", "198.18.0.2")  # benchmark-test range: never a real host
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    try:
-        ip("netns", "add", ns[0])
-        ip("netns", "add", ns[1])
-        ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
-        for i in range(2):
-            ip("link", "set", dev[i], "netns", ns[i])
-            ip("-n", ns[i], "addr", "add", f"{addrs[i]}/24", "dev", dev[i])
-            ip("-n", ns[i], "link", "set", dev[i], "up")
-            ip("-n", ns[i], "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as err:
-        for name in ns:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {err.stderr.decode().strip()}")
-    yield ns, dev, addrs
-    for name in ns:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def test_two_hosts_in_network_namespaces(netns_pair, base_args, log_dir) -> None:
@@ -143,7 +114,7 @@ def test_two_hosts_in_network_namespaces(netns_pair, base_args, log_dir) -> None
     out0, out1 = two_nodes(
         {"NODE_RANK": "0", "GLOO_SOCKET_IFNAME": dev[0], **common},
         {"NODE_RANK": "1", "GLOO_SOCKET_IFNAME": dev[1], **common},
-        [*base_args, *SHORT],
+        [*base_args, *SHORT_LOGGED],
         wrap0=("ip", "netns", "exec", ns[0]),
         wrap1=("ip", "netns", "exec", ns[1]),
     )
@@ -153,8 +124,8 @@ def test_two_hosts_in_network_namespaces(netns_pair, base_args, log_dir) -> None
 
 
 def test_torchrun_no_python_multinode_script(base_args, log_dir) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--no-python", str(ROOT / "launch" / "multinode.sh"), *base_args, *SHORT]  # fmt: skip
+    cmd = [*torchrun(["--no-python", str(ROOT / "launch" / "multinode.sh")]), *base_args,
+           *SHORT_LOGGED]  # fmt: skip
     code, out = finish(start(cmd))
     assert code == 0, out[-4000:]
     assert world_size_reported(out) == 2 and len(runs(log_dir)) == 1
@@ -181,7 +152,7 @@ def test_topology_mismatch_stops_every_rank(base_args, override: str, message: s
 
 def test_multirun_two_jobs_two_devices(base_args, log_dir) -> None:
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", "model=mlp,cnn",
-           "trainer.accelerator=cpu", "trainer.devices=2", *base_args, *SHORT]  # fmt: skip
+           "trainer.accelerator=cpu", "trainer.devices=2", *base_args, *SHORT_LOGGED]  # fmt: skip
     code, out = finish(start(cmd), timeout=240)  # also asserts no stray processes
     assert code == 0, out[-4000:]
     sweeps = list((log_dir / "train" / "multiruns").iterdir())
@@ -303,7 +274,7 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(
         "import os, sys, time\n"
-        f"from {launcher.__name__} import report_exit\n"
+        f"from {exits.__name__} import report_exit\n"
         "with report_exit():\n"
         "    if sys.argv[1] == 'crash' and os.environ['RANK'] == '1':\n"
         "        sys.exit(3)\n"
@@ -324,15 +295,15 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
 
 WORKER_THAT_STOPS = f"""
 import signal, sys, time
-from {launcher.__name__} import report_exit
+from {exits.__name__} import report_exit
 
 def stop(signum, frame):
     sys.stdout.write(signal.Signals(signum).name + " received\\n")  # one write: a shared pipe
     sys.stdout.flush()
-    sys.exit({launcher.EXIT_PREEMPTED})  # as a training worker after saving last.ckpt
+    sys.exit({exits.EXIT_PREEMPTED})  # as a training worker after saving last.ckpt
 
 with report_exit():
-    for signum in {[int(s) for s in STOP_SIGNALS]}:  # project.engine.signals' own list
+    for signum in {[int(s) for s in STOP_SIGNALS]}:  # project.engine.launch.signals' own list
         signal.signal(signum, stop)
     print("ready", flush=True)
     time.sleep(60)
@@ -352,7 +323,7 @@ def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
     proc.send_signal(signum)
     code, rest = finish(proc, 90)
     out += rest
-    assert code == launcher.EXIT_PREEMPTED, out
+    assert code == exits.EXIT_PREEMPTED, out
     assert out.count(f"{signum.name} received") == 2, out  # every worker got it
     assert "the workers saved last.ckpt" in out and "Traceback" not in out, out
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import QUIET, ROOT
+from tests.helpers import QUIET, ROOT
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -68,8 +68,11 @@ def test_your_code_does_not_depend_on_the_machinery() -> None:
 
 def test_launcher_environment_is_read_without_torch() -> None:
     code = (
-        "import sys, project.engine.env, project.engine.config, project.engine.console, "
-        "project.launcher; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+        "import sys, project.engine.launch.env, project.engine.config.compose, "
+        "project.engine.run.console, project.engine.run.cli, project.engine.run.skeleton, "
+        "project.engine.launch.exits, project.engine.launch.torchrun, project.engine.private_api, "
+        "project.launcher, project.train, project.raw_train; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'lightning'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -94,6 +97,6 @@ def test_the_raw_trainer_never_imports_lightning(data_dir, tmp_path) -> None:
 def test_ddp_options_read_from_source_match_the_imported_signature() -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from project.engine.ddp import _ddp_strategy_arguments
+    from project.engine.launch.ddp import _ddp_strategy_arguments
 
     assert _ddp_strategy_arguments() == set(inspect.signature(DDPStrategy.__init__).parameters)

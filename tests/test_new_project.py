@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SCRIPT = ROOT / "scripts" / "new_project.py"
 GIT = ["git", "-c", "user.email=t@example.com", "-c", "user.name=test"]
@@ -83,7 +83,7 @@ def test_generated_layout_and_names(generated: Path) -> None:
     assert 'name = "my-net"' in pyproject and 'my-net-train = "mynet.train:main"' in pyproject
     assert 'known-first-party = ["mynet"]' in pyproject and "Ada L" in pyproject
     assert (
-        "_target_: mynet.engine.module.TaskModule"
+        "_target_: mynet.engine.lightning.module.TaskModule"
         in (generated / "configs/model/mlp.yaml").read_text()
     )
     assert "MODULE=mynet.train" in (generated / "launch/common.sh").read_text()

@@ -6,23 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from project.compare import summarise, table
-from project.engine.raw_keys import classify
-from project.engine.schema import check_schema
-from tests.conftest import (
+from project.engine.config.schema import check_schema
+from project.engine.raw.keys import classify
+from tests.helpers import (
     CHARLM,
+    SHORT_STATS,
     assert_groups_closed,
+    assert_same_training,
     exit_check_env,
     finish,
+    options,
     run_script,
     start,
+    torchrun,
 )
-from tests.test_configs import options
-
-SHORT = ["trainer.max_epochs=3", "step_stats=true"]
 
 
 def leaf_keys(node, prefix: str = "") -> list[str]:
@@ -74,8 +74,8 @@ def test_classification_catches_a_new_key() -> None:
 @pytest.mark.quick
 @pytest.mark.parametrize(
     "group, adapter",
-    [("model", "project.engine.module.TaskModule"),
-     ("data", "project.engine.datamodule.DataModule")],
+    [("model", "project.engine.lightning.module.TaskModule"),
+     ("data", "project.engine.lightning.datamodule.DataModule")],
 )  # fmt: skip
 def test_every_adapter_argument_is_classified(group: str, adapter: str) -> None:
     """An argument added to the Lightning adapters (even one no config sets yet) must be
@@ -90,46 +90,12 @@ def test_every_adapter_argument_is_classified(group: str, adapter: str) -> None:
 
 
 def run_trainer(module: str, args: list[str], run_dir: Path, nproc: int = 1) -> dict:
-    args = [*args, f"hydra.run.dir={run_dir}"]
-    if nproc == 1:
-        cmd = ["python", "-m", module, *args]
-    else:
-        cmd = ["python", "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", module, *args]  # fmt: skip
-    import sys
-
-    cmd[0] = sys.executable
+    cmd = torchrun(["-m", module, *args, f"hydra.run.dir={run_dir}"], nproc)
     code, out = finish(start(cmd, **(exit_check_env() if nproc > 1 else {})), timeout=240)
     assert code == 0, out[-4000:]
     if nproc > 1:
         assert_groups_closed(out, nproc)
     return json.loads((run_dir / "step_stats.json").read_text())
-
-
-def final_weights(run_dir: Path, trainer: str) -> dict[str, torch.Tensor]:
-    if trainer == "lightning":
-        state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-        return {k.removeprefix("task."): v for k, v in state.items() if k.startswith("task.")}
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
-
-
-def assert_same_training(lightning: Path, raw: Path) -> None:
-    """Two run folders of one config, one per trainer: the same loss at every step (bitwise),
-    the same final weights and metrics (to float noise)."""
-    losses = [
-        json.loads((run / "step_stats.json").read_text())["losses"] for run in (lightning, raw)
-    ]
-    assert len(losses[1]) >= 20
-    assert losses[0] == losses[1]  # bitwise, every step
-    a, b = final_weights(lightning, "lightning"), final_weights(raw, "raw")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
-    metrics = [json.loads((run / "metrics.json").read_text()) for run in (lightning, raw)]
-    shared = [k for k in metrics[1] if k in metrics[0]]  # Lightning also logs lr, loss_step
-    assert {"val/loss", "test/loss"} <= set(shared)
-    for key in shared:
-        assert metrics[0][key] == pytest.approx(metrics[1][key], abs=1e-6), key
 
 
 def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
@@ -139,8 +105,9 @@ def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
 
 
 def test_parity_one_process_cnn_accumulation_clipping(base_args, tmp_path) -> None:
-    assert_parity(tmp_path, [*base_args, *SHORT, "model=cnn", "trainer.accumulate_grad_batches=3",
-                             "trainer.gradient_clip_val=0.5", "model/scheduler=step"])  # fmt: skip
+    assert_parity(tmp_path, [*base_args, *SHORT_STATS, "model=cnn",
+                             "trainer.accumulate_grad_batches=3", "trainer.gradient_clip_val=0.5",
+                             "model/scheduler=step"])  # fmt: skip
 
 
 @pytest.mark.quick  # the fast tier's DDP run and parity check

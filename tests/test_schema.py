@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import yaml
 
-from project.engine.schema import SCHEMAS, write_schemas
-from tests.conftest import CONFIG_DIR, ROOT, run_script
+from project.engine.config.schema import SCHEMAS, write_schemas
+from tests.helpers import CONFIG_DIR, ROOT, run_script
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -40,7 +40,7 @@ def test_a_wrong_type_or_range_is_one_line(base_args, script, override, line) ->
 
 
 def test_schema_files_are_current(tmp_path) -> None:
-    """schema/*.json is what `make schema` writes from project.engine.schema now."""
+    """schema/*.json is what `make schema` writes from project.engine.config.schema now."""
     for path in write_schemas(tmp_path):
         committed = ROOT / "schema" / path.name
         assert committed.is_file(), f"{committed} is missing: run make schema"

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import collections
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
-from project.engine import sharding
 from project.engine.errors import UserError
-from project.engine.sharding import EvalShardSampler, ResumableSampler, shard_loader
-from tests.conftest import QUIET, finish, start
+from project.engine.shared import sharding
+from project.engine.shared.sharding import EvalShardSampler, ResumableSampler, shard_loader
+from tests.helpers import QUIET, finish, start, torchrun
 
 DATA = TensorDataset(torch.arange(101))
 
@@ -88,8 +87,8 @@ def test_a_user_datamodule_is_sharded_under_ddp(tmp_path: Path, base_args) -> No
     (tmp_path / "configs" / "data" / "user.yaml").write_text(
         f"_target_: tests.user_data.PlainDataModule\nrecord_dir: {tmp_path}\n"
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "project.train", *base_args, "data=user", f"hydra.searchpath=[file://{tmp_path}/configs]",
+    cmd = [*torchrun(["-m", "project.train"]), *base_args, "data=user",
+           f"hydra.searchpath=[file://{tmp_path}/configs]",
            "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "test=false",
            f"hydra.run.dir={tmp_path}/run", *QUIET]  # fmt: skip
     code, out = finish(start(cmd), timeout=180)

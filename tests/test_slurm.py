@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUIET, ROOT, child_env
+from tests.helpers import QUIET, ROOT, child_env
 
 # The first test also installs and starts a real SLURM (up to 15 min on a fresh machine).
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1800)]
@@ -174,7 +174,8 @@ def test_a_sweep_from_hydra_runs_torchrun_per_node_and_resumes_after_a_preemptio
 
 def test_a_sweep_job_that_dies_without_a_result_ends_the_sweep(slurm, data_dir, tmp_path) -> None:
     """submitit learns that a job died from sacct; this cluster keeps no accounting, so the
-    sweep waited forever for a killed job. It now reads squeue (project.engine.slurm_queue)."""
+    sweep waited forever for a killed job. It now reads squeue
+    (project.engine.cluster.slurm_queue)."""
     runs = tmp_path / "logs/train/multiruns/killed"
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm",
            *run_args(data_dir, tmp_path / "logs", 60)]  # fmt: skip

@@ -10,9 +10,9 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from project.engine import slurm_job
+from project.engine.cluster import slurm_job
 from project.engine.errors import UserError
-from tests.conftest import ROOT, child_env
+from tests.helpers import ROOT, child_env
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -91,7 +91,7 @@ def test_without_the_slurm_extra_the_launcher_says_how_to_install_it() -> None:
 
 
 def test_without_accounting_a_job_that_left_the_queue_has_ended() -> None:
-    from project.engine.slurm_queue import QueueWatcher
+    from project.engine.cluster.slurm_queue import QueueWatcher
 
     watcher = QueueWatcher()
     for job_id in ("5", "6_0", "6_1", "6_2"):

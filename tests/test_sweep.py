@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from project.launcher import EXIT_PREEMPTED
-from tests.conftest import ROOT, finish, start
+from project.engine.launch.exits import EXIT_PREEMPTED
+from tests.helpers import ROOT, finish, start
 
 optuna = pytest.importorskip("optuna", reason="sweeps need pip install -e '.[sweep]'")
 
@@ -104,7 +104,7 @@ def test_a_study_file_that_is_not_sqlite_is_left_alone(base_args, log_dir) -> No
 def test_interrupted_trials_do_not_count_and_failed_ones_do() -> None:
     """ended(): a trial killed with the sweep is replaced by its retry (even twice); a trial
     that raised counts, so a config that always fails cannot loop forever."""
-    from project.engine.sweeper import FOLDER, ended
+    from project.engine.cluster.sweeper import FOLDER, ended
 
     study = optuna.create_study()
     fail, dist = optuna.trial.TrialState.FAIL, optuna.distributions.FloatDistribution(0, 1)

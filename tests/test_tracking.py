@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from project.launcher import EXIT_PREEMPTED
-from tests.conftest import ROOT, finish, free_port, start
+from project.engine.launch.exits import EXIT_PREEMPTED
+from tests.helpers import ROOT, finish, free_port, start
 
 pytest.importorskip("mlflow", reason="logger=mlflow needs pip install -e '.[track]'")
 

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from project.train import train
-from tests.conftest import read_scalars, run_script
-
-METRIC = re.compile(r"(test/[a-z]+)=([0-9.]+)")
-
-
-def logged_metrics(stdout: str) -> dict[str, float]:
-    line = [ln for ln in stdout.splitlines() if "Metrics:" in ln][-1]
-    return {k: float(v) for k, v in METRIC.findall(line)}
+from tests.helpers import logged_metrics, read_scalars, run_script, step_losses
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -89,10 +81,6 @@ def test_eval_on_last_ckpt_matches_train_tested_on_last(base_args, log_dir, data
     )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert logged_metrics(evaluated.stdout) == pytest.approx(logged_metrics(proc.stdout), abs=1e-4)
-
-
-def step_losses(run_dir: Path) -> list[float]:
-    return [v for _, v in read_scalars(run_dir / "tensorboard")["train/loss_step"]]
 
 
 def test_same_seed_same_losses_runs_never_overwrite_each_other(base_args, log_dir) -> None:

@@ -1,4 +1,4 @@
-"""Registers the Optuna sweeper (project.engine.sweeper) as hydra/sweeper=optuna_sqlite.
+"""Registers the Optuna sweeper (project.engine.cluster.sweeper) as hydra/sweeper=optuna_sqlite.
 
 Hydra imports every module below `hydra_plugins` at start-up, so this stays light: Optuna
 itself is imported only when a sweep starts.
@@ -6,7 +6,7 @@ itself is imported only when a sweep starts.
 
 from hydra.core.config_store import ConfigStore
 
-from project.engine.sweeper import OptunaSqliteSweeperConf, OptunaStudySweeper
+from project.engine.cluster.sweeper import OptunaSqliteSweeperConf, OptunaStudySweeper
 
 
 class OptunaSqliteSweeper(OptunaStudySweeper):

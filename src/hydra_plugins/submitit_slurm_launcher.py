@@ -1,6 +1,6 @@
 """The launcher of hydra/launcher=submitit_slurm (configs/hydra/launcher/submitit_slurm.yaml):
 hydra-submitit-launcher's, plus job states from `squeue` where SLURM keeps no accounting
-(project.engine.slurm_queue), so that a cancelled or killed job ends the sweep instead of
+(project.engine.cluster.slurm_queue), so that a cancelled or killed job ends the sweep instead of
 being waited for.
 
 Hydra imports every module below `hydra_plugins` at start-up and runs launchers defined here
@@ -26,7 +26,7 @@ if SubmititSlurmLauncher is not None:
 
     class SlurmLauncher(SubmititSlurmLauncher):
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
-            from project.engine.slurm_queue import watch_the_queue
+            from project.engine.cluster.slurm_queue import watch_the_queue
 
             watch_the_queue()
             return super().launch(job_overrides, initial_job_idx)

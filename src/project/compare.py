@@ -16,20 +16,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from project.bench.step_stats import STATS_FILE
-from project.engine.config import CONFIG_DIR, register_resolvers, run_id
-from project.engine.console import fail, read_metrics
-from project.engine.schema import check_schema
-
-TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
+from project.engine.config.compose import CONFIG_DIR, register_resolvers, run_id
+from project.engine.config.schema import check_schema
+from project.engine.launch import torchrun
+from project.engine.launch.exits import fail
+from project.engine.launch.torchrun import TRAINERS
+from project.engine.run.results import read_metrics
+from project.engine.shared.step_stats import STATS_FILE
 
 
 def compose(overrides: list[str]) -> Any:
@@ -44,10 +43,7 @@ def compose(overrides: list[str]) -> Any:
 
 def command(module: str, nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
     args = [*overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
-    if nproc == 1:
-        return [sys.executable, "-m", module, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", module, *args]  # fmt: skip
+    return torchrun.command(["-m", module, *args], nproc)
 
 
 def run_once(module: str, nproc: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
@@ -55,7 +51,7 @@ def run_once(module: str, nproc: int, overrides: list[str], run_dir: Path) -> di
     launched = time.time()
     proc = subprocess.run(
         command(module, nproc, overrides, run_dir), capture_output=True, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        env=torchrun.environment(),
     )  # fmt: skip
     wall = time.time() - launched
     if proc.returncode != 0:

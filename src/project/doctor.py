@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from project.engine import env as launcher_env
-from project.engine.config import ROOT_DIR, run_id
+from project.engine.config.compose import ROOT_DIR, run_id
+from project.engine.launch import env as launcher_env
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCH_NCCL_", "MASTER_", "CUDA_VISIBLE")
 CAUSES = (

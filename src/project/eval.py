@@ -13,9 +13,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from project.engine.config import CONFIG_DIR, register_resolvers, to_plain
-from project.engine.console import quiet_lightning, report_user_errors, run_cli
+from project.engine.config.compose import CONFIG_DIR, to_plain
 from project.engine.errors import UserError
+from project.engine.run import cli
 
 log = logging.getLogger("project.eval")
 
@@ -24,7 +24,7 @@ LOADING_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
 
 def load_checkpoint(path: str | None) -> dict[str, Any]:
     """Load `path` with weights_only=True, or raise a one-line UserError saying what is wrong."""
-    from project.engine.resume import read_checkpoint
+    from project.engine.checkpoints.state import read_checkpoint
 
     if path is None:
         raise UserError("ckpt_path is required: python eval.py ckpt_path=/path/to/last.ckpt")
@@ -76,10 +76,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)  # before Lightning loads
     data = data_config(ckpt, cfg)
 
-    from project.engine import ddp
-    from project.engine.datamodule import DataModule, shard_datamodule
-    from project.engine.module import TaskModule
-    from project.train import instantiate_all
+    from project.engine.launch import ddp
+    from project.engine.launch.exits import close_process_group
+    from project.engine.lightning.build import instantiate_all
+    from project.engine.lightning.datamodule import DataModule, shard_datamodule
+    from project.engine.lightning.module import TaskModule
+    from project.engine.run.console import quiet_lightning
+    from project.engine.run.results import as_floats
 
     quiet_lightning()  # after Lightning's import: each of its lines once, rank 0 only
     datamodule = DataModule(**data)
@@ -93,19 +96,19 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     )
     log.info(f"Testing {ckpt_path}")
     trainer.test(model, datamodule=datamodule)
-    ddp.close_process_group()
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+    close_process_group()
+    return as_floats(trainer.callback_metrics)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
 def _hydra_main(cfg: DictConfig) -> None:
-    metrics = report_user_errors(lambda: evaluate(cfg))
-    log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    from project.engine.run.results import log_metrics
+
+    log_metrics(cli.report_user_errors(lambda: evaluate(cfg)))
 
 
 def main() -> None:
-    register_resolvers()
-    run_cli(_hydra_main)
+    cli.main(_hydra_main)
 
 
 if __name__ == "__main__":

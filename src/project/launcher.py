@@ -16,93 +16,36 @@ the failure handling a training job needs, which torchrun lacks:
 - A rendezvous that does not complete (a node never started, a wrong address) is one line
   naming the likely causes; the scripts bound its wait with `--rdzv-conf`.
 
-Workers tell the launcher how they ended through `report_exit` (one file per rank in a
-folder the launcher names in the environment): torchrun itself does not collect their exit
-codes when it is the one that was signalled. Only the standard library is imported at the
-top: the workers import this module too.
+Workers tell the launcher how they ended through `project.engine.launch.exits.report_exit`
+(one file per rank in a folder the launcher names in the environment): torchrun itself does
+not collect their exit codes when it is the one that was signalled. The exit codes and the
+private torch APIs patched here are defined in project.engine.launch.exits and
+project.engine.private_api. Only the standard library is imported at the top.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from project.engine.env import rank
+from project.engine.launch.exits import (
+    EXIT_DIR_ENV,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    NO_RESTART,
+    worker_exits,
+)
+from project.engine.private_api import restart_only_crashes, signals_once
 
-EXIT_DIR_ENV = "PROJECT_EXIT_DIR"
-EXIT_BAD_INPUT = 2  # as project.engine.console.fail: the worker printed one line saying why
-# A run that stopped on SIGTERM/SIGUSR1/SIGUSR2/SIGINT after saving its checkpoint: run the
-# same command again (or let the scheduler requeue it) to resume. 128 + SIGTERM, as a process
-# killed by SIGTERM would report, so schedulers treat it as "terminated", not "failed".
-EXIT_PREEMPTED = 143
-NO_RESTART = (EXIT_BAD_INPUT, EXIT_PREEMPTED)
 EXTRA_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
 log = logging.getLogger("project.launcher")
-
-
-@contextlib.contextmanager
-def report_exit() -> Iterator[None]:
-    """Around a worker's main(): record its exit code for the launcher (when there is one)."""
-    code: int | str | None = 1
-    try:
-        yield
-        code = 0
-    except SystemExit as err:
-        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
-        raise
-    finally:
-        folder = os.environ.get(EXIT_DIR_ENV)
-        if folder and os.path.isdir(folder):
-            Path(folder, f"rank-{rank()}").write_text(str(code))
-
-
-def worker_exits(folder: str) -> dict[int, int]:
-    """{global rank: exit code} of the workers on this node that reported one."""
-    codes = {}
-    for path in Path(folder).glob("rank-*"):
-        with contextlib.suppress(ValueError):
-            codes[int(path.name.removeprefix("rank-"))] = int(path.read_text())
-    return codes
-
-
-def _restarts_only_crashes(agent_cls: Any) -> None:
-    """Make the agent give up instead of restarting a group whose failure was bad input or a
-    coordinated stop (the agent restarts while `_remaining_restarts > 0`)."""
-    monitor = agent_cls._monitor_workers
-
-    def _monitor_workers(self: Any, worker_group: Any) -> Any:
-        result = monitor(self, worker_group)
-        codes = {f.exitcode for f in (getattr(result, "failures", None) or {}).values()}
-        if codes & set(NO_RESTART):
-            self._remaining_restarts = 0
-        return result
-
-    agent_cls._monitor_workers = _monitor_workers
-
-
-def _signals_once(mp_api: Any, state: dict[str, Any]) -> None:
-    """torchrun's handler raises on every signal: a second one (Ctrl-C and the scheduler's
-    TERM, or the launch script forwarding what torchrun also got) would interrupt the
-    workers' graceful shutdown, and one after the job ended would be a traceback. Only the
-    first one during the job counts."""
-    raise_signal = mp_api._terminate_process_handler
-
-    def handler(signum: int, frame: Any) -> None:
-        if state["signal"] is not None or state["done"]:
-            return
-        state["signal"] = signum
-        raise_signal(signum, frame)
-
-    mp_api._terminate_process_handler = handler
 
 
 class _QuietExpectedExits(logging.Filter):
@@ -167,14 +110,14 @@ def launch(argv: list[str]) -> int:
         if name not in args.signals_to_handle:
             args.signals_to_handle += f",{name}"
     state: dict[str, Any] = {"signal": None, "done": False}
-    _restarts_only_crashes(LocalElasticAgent)
-    _signals_once(mp_api, state)
+    restart_only_crashes(LocalElasticAgent, NO_RESTART)
+    signals_once(mp_api, state)
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
     folder = tempfile.mkdtemp(prefix="project-exit-")
     os.environ[EXIT_DIR_ENV] = folder  # the workers inherit it
     try:
         torchrun.run(args)
-        return 0
+        return EXIT_OK
     except ChildFailedError as err:
         if state["signal"] is not None:
             return _signalled(state["signal"], worker_exits(folder))
@@ -183,13 +126,13 @@ def launch(argv: list[str]) -> int:
         if first.exitcode in NO_RESTART:  # the workers said why themselves
             return first.exitcode
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
-        return 1
+        return EXIT_FAILED
     except mp_api.SignalException as err:
         return _signalled(int(err.sigval), worker_exits(folder))
     except Exception as err:
         if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
             print(_rendezvous_line(err, args), file=sys.stderr, flush=True)
-            return 1
+            return EXIT_FAILED
         raise
     finally:
         state["done"] = True

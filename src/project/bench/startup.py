@@ -28,7 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
+from project.engine.launch import torchrun
+from project.engine.launch.torchrun import TRAINERS
+
 # Short: only the start-up matters (the sanity check and one epoch of two steps).
 SHORT = [
     *("trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=2"),
@@ -76,7 +78,7 @@ def child(module: str, overrides: list[str], marks_file: str) -> None:
 
         marks["lightning"] = time.time()
         pl.Trainer._run_sanity_check = timed(marks, "sanity", pl.Trainer._run_sanity_check)
-    from project.engine import loaders
+    from project.engine.shared import loaders
 
     loaders.build_source = timed_source(marks, loaders.build_source)  # before its importers
     dist.init_process_group = timed(marks, "pg", dist.init_process_group)
@@ -87,7 +89,7 @@ def child(module: str, overrides: list[str], marks_file: str) -> None:
     def marked_task(cfg: Any) -> Any:
         marks["task"] = time.time()
         if module == TRAINERS["raw"]:  # imported here, where run() would import it
-            from project.engine.raw_trainer import RawTrainer
+            from project.engine.raw.trainer import RawTrainer
 
             RawTrainer.sanity_check = timed(marks, "sanity", RawTrainer.sanity_check)
         return task(cfg)
@@ -123,16 +125,15 @@ def run_once(trainer: str, nproc: int, overrides: list[str], work: Path) -> dict
     run_dir, marks_file = work / "run", work / "marks.json"
     args = [*SHORT, *overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
     wrapper = ["-m", "project.bench.startup", "--child", TRAINERS[trainer], str(marks_file)]
-    cmd = [sys.executable, *wrapper, *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", *wrapper, *args]  # fmt: skip
+    cmd = torchrun.command([*wrapper, *args], nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} x{nproc} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    from project.bench.step_stats import STATS_FILE  # imports torch: not in the child's timing
+    from project.engine.shared.step_stats import (
+        STATS_FILE,  # imports torch: not in the child's timing
+    )
 
     first_step = json.loads((run_dir / STATS_FILE).read_text())["first_step_unix"]
     return phases(json.loads(marks_file.read_text()), launched, first_step)

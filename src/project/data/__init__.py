@@ -2,5 +2,5 @@
 
 Each is a `project.data.source.DataSource`: `prepare()` (once per node) and
 `dataset(split)` (every rank). Batching, sharding across ranks and resumable order are the
-machinery's job (project.engine.sharding), the same for both trainers.
+machinery's job (project.engine.shared.sharding), the same for both trainers.
 """

@@ -5,10 +5,10 @@ A task owns the network and says what one batch computes:
     metrics = task.metrics(stage)        # fresh torchmetrics objects for "train"/"val"/"test"
     loss = task.step(batch, metrics)     # the batch's mean loss; updates `metrics`
 
-The Lightning module (project.engine.module) and the raw trainer (project.engine.raw_trainer)
-are loops around these two calls: both add a "loss" mean to every stage, log each metric as
-`<stage>/<name>`, and let torchmetrics sync the metric states across ranks once per epoch
-(at compute), never per step.
+The Lightning module (project.engine.lightning.module) and the raw trainer
+(project.engine.raw.trainer) are loops around these two calls: both add a "loss" mean to
+every stage, log each metric as `<stage>/<name>`, and let torchmetrics sync the metric states
+across ranks once per epoch (at compute), never per step.
 """
 
 from __future__ import annotations

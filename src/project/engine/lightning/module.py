@@ -13,9 +13,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from project.engine.config import to_plain
-from project.engine.metrics import stage_metrics
-from project.engine.optim import build_optimizer, build_scheduler
+from project.engine.config.compose import to_plain
+from project.engine.shared.metrics import stage_metrics
+from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.tasks.task import STAGES, build_task
 
 

@@ -1,12 +1,11 @@
 """Everything distributed, in one place: how many processes, which strategy, peer failures.
 
 - `resolve_topology` makes `trainer.devices` / `trainer.num_nodes` follow the launcher's
-  environment (read by project.engine.env), and stops every rank at start-up when an
+  environment (read by project.engine.launch.env), and stops every rank at start-up when an
   explicit value contradicts it (never N silent copies).
 - `build_strategy` gives a single-process run no DDP wrapper at all, and a multi-process run
   the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
-- `relaunch_with_torchrun` runs one multi-device Hydra sweep job as its own torchrun job.
-- `close_process_group` ends a run's process group while the interpreter is still whole.
+- `peer_failures_reported` turns "another rank is gone" into one line.
 
 Entry points import this after Hydra has composed the config. Lightning is imported only
 where a Lightning object is needed: the raw trainer uses this module without it.
@@ -20,10 +19,7 @@ import importlib.metadata
 import inspect
 import logging
 import os
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +30,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from project.engine.console import fail
-from project.engine.env import Launcher, detect_launcher
 from project.engine.errors import UserError
+from project.engine.launch.env import Launcher, detect_launcher
+from project.engine.launch.exits import fail
 
-log = logging.getLogger("project.engine.ddp")
+log = logging.getLogger("project.engine.launch.ddp")
 
 
 @dataclass(frozen=True)
@@ -168,39 +164,6 @@ def build_strategy(strategy_cfg: DictConfig | None, topology: Topology) -> Any:
     return instantiate(strategy_cfg)
 
 
-def relaunch_with_torchrun(
-    module: str, overrides: Sequence[str], output_dir: str, nproc: int
-) -> None:
-    """Run this sweep job as `torchrun --standalone -m <module>` writing into `output_dir`.
-
-    Lightning's own launcher re-runs `sys.argv`, which in a Hydra multirun repeats the whole
-    sweep in every child (Lightning #11300, #15737). A torchrun job per sweep job keeps one
-    correct DDP run per job directory, and waits for it so no process outlives the sweep.
-    """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", module, *overrides,
-        f"hydra.run.dir={output_dir}",
-        "hydra.output_subdir=null",  # the sweep job already saved its config there
-    ]  # fmt: skip
-    log.info("Sweep job with %d processes: %s", nproc, " ".join(cmd))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see launch/common.sh
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        code = proc.wait()
-    except BaseException:
-        # Ctrl-C / SIGTERM of the sweep: stop the whole torchrun job, workers included.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    if code != 0:
-        raise RuntimeError(f"sweep job in {output_dir} failed (torchrun exit code {code})")
-
-
 def is_peer_failure(err: BaseException) -> bool:
     """gloo/NCCL errors that mean "the other side is gone", not a bug in this process."""
     text = str(err)
@@ -223,21 +186,3 @@ def peer_failures_reported() -> Iterator[None]:
             "output for the cause",
             code=1,
         )
-
-
-def close_process_group() -> None:
-    """Destroy the default process group, if any, before the interpreter shuts down.
-
-    Left to interpreter shutdown, gloo's worker thread can still hold the tensors of the last
-    collective and need the GIL to free them while the interpreter is being torn down: the
-    process aborts ("terminate called without an active exception", exit -6) after a
-    finished run, and torchrun reports the job failed (pytorch/pytorch#179291 explains it).
-    Call it after the DDP wrapper is gone (Lightning unwraps it in its teardown; the raw
-    trainer drops it first): the Reducer's destructor joins that same thread while holding
-    the GIL.
-    """
-    import time
-
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(0.1)  # releases the GIL: the worker thread finishes with its tensors
-        dist.destroy_process_group()

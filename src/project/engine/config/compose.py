@@ -11,11 +11,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from project.engine.env import is_rank_zero, run_id
 from project.engine.errors import UserError
+from project.engine.launch.env import is_rank_zero, run_id
 
-# src/project/engine/config.py -> repo root (the folder that holds `configs/`).
-ROOT_DIR = Path(__file__).resolve().parents[3]
+# src/project/engine/config/compose.py -> repo root (the folder that holds `configs/`).
+ROOT_DIR = Path(__file__).resolve().parents[4]
 CONFIG_DIR = ROOT_DIR / "configs"
 
 

@@ -1,8 +1,8 @@
 """The raw PyTorch DDP trainer: what Lightning does for this template, written out.
 
 It runs the same task (project.tasks: network, loss, metrics), the same data source and loaders
-(project.data, project.engine.sharding), the same optimizer and scheduler builders
-(project.engine.optim) from the same config, so its per-step losses are bitwise equal to
+(project.data, project.engine.shared.sharding), the same optimizer and scheduler builders
+(project.engine.shared.optim) from the same config, so its per-step losses are bitwise equal to
 Lightning's. What had to match for that is marked "parity:".
 
 | Lightning feature                                  | where it happens here                |
@@ -42,27 +42,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
-from project.bench.step_stats import StepStats
 from project.data.source import SPLITS
-from project.engine import ddp, env, faults
-from project.engine.config import to_plain
+from project.engine.checkpoints import LAST_PT
+from project.engine.checkpoints.resume import checkpoint_dir, last_checkpoint, training_identity
+from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
+from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
-from project.engine.loaders import build_source, plain_loader
-from project.engine.metrics import stage_metrics
-from project.engine.optim import build_optimizer, build_scheduler
-from project.engine.raw_keys import check_config
-from project.engine.resume import (
-    LAST_PT,
-    atomic_save,
-    checkpoint_dir,
-    last_checkpoint,
-    project_state,
-    rng_state,
-    set_rng_state,
-    training_identity,
-)
-from project.engine.sharding import shard_loader
-from project.engine.signals import StopSignal
+from project.engine.launch import ddp, env, faults
+from project.engine.launch.exits import Preempted, close_process_group
+from project.engine.launch.signals import StopSignal
+from project.engine.raw.keys import check_config
+from project.engine.shared.loaders import build_source, plain_loader
+from project.engine.shared.metrics import stage_metrics
+from project.engine.shared.optim import build_optimizer, build_scheduler
+from project.engine.shared.sharding import shard_loader
+from project.engine.shared.step_stats import StepStats
 from project.tasks.task import STAGES, build_task
 
 log = logging.getLogger("project.raw_train")
@@ -82,12 +76,11 @@ class Step(nn.Module):
         return self.task.step(batch, metrics)
 
 
-class Preempted(Exception):
-    """Every rank agreed to stop on a signal (see project.engine.signals)."""
-
-
 class RawTrainer:
-    """One training run: set-up in __init__, then fit() and test(). Rank 0 logs and saves."""
+    """One training run: set-up in __init__, then fit() and test(). Rank 0 logs and saves.
+
+    project.raw_train runs it inside the run skeleton both trainers share
+    (project.engine.run.skeleton: checks, resume, the stop, metrics.json)."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
         self.cfg, self.output_dir, t = cfg, output_dir, cfg.trainer
@@ -136,8 +129,6 @@ class RawTrainer:
                 "requested): run it under torchrun, e.g. TRAINER=raw NPROC_PER_NODE=2 "
                 "launch/single_node.sh"
             )
-        ddp.check_hardware(self.cfg.get("strategy"), t)
-        threads = ddp.configure_threads(topology)
         self.world, self.rank, self.local_rank = topology.world_size, env.rank(), env.local_rank()
         self.on_gpu = ddp.on_gpu(str(t.accelerator))
         self.device = torch.device(f"cuda:{self.local_rank}" if self.on_gpu else "cpu")
@@ -151,14 +142,10 @@ class RawTrainer:
             device_id = self.device if self.on_gpu else None
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         self.is_zero = self.rank == 0
-        log.info(
-            f"raw trainer: {topology.devices} process(es) per node x {topology.num_nodes} "
-            f"node(s), device {self.device}, {threads} thread(s) per process"
-        )
 
     def setup_data(self) -> None:
         """The data source prepared once per node (local rank 0), then every rank's loaders:
-        plain loaders sharded by the same code as Lightning's (project.engine.sharding)."""
+        plain loaders sharded by the same code as Lightning's (project.engine.shared.sharding)."""
         d = self.cfg.data
         source = build_source(d.dataset)
         if self.local_rank == 0:
@@ -188,12 +175,7 @@ class RawTrainer:
 
     def setup_fault_tolerance(self) -> None:
         ft = self.fault_tolerance = to_plain(self.cfg.callbacks.get("fault_tolerance")) or {}
-        self.stop = StopSignal(
-            ft.get("check_every_n_steps", 10),
-            save_every_n_train_steps=ft.get("every_n_train_steps"),
-            save_every_n_seconds=ft.get("every_n_seconds"),
-            budget_s=ft.get("stop_budget_s", 25.0),
-        )
+        self.stop = StopSignal.from_config(ft)  # the YAML's cadences (its defaults when off)
         self.identity = training_identity(to_plain(self.cfg))
         self.finished = False  # set when fit ends normally: last.pt then says so
         self.final_metrics: dict[str, float] = {}
@@ -251,6 +233,13 @@ class RawTrainer:
         self.task.train()
         return self.compute(stage)
 
+    def test(self) -> dict[str, float]:
+        """The test loop: every test batch (or limit_test_batches), metrics logged."""
+        metrics = self.evaluate("test", self.n_batches("test"))
+        for name, value in metrics.items():
+            self.log_scalar(name, value, self.global_step)
+        return metrics
+
     def sanity_check(self) -> None:
         """Like Lightning: a few validation batches before training catch a broken validation
         step before a long epoch (not when resuming). parity: Lightning isolates the global
@@ -295,12 +284,12 @@ class RawTrainer:
 
     def check_stop(self) -> None:
         """At an accumulation window start (no partial gradients to lose): every few windows
-        the ranks agree whether to save last.pt and whether to stop (project.engine.signals)."""
+        the ranks agree whether to save last.pt and whether to stop (launch/signals.py)."""
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
             self.save_last()
         if stop:
-            raise Preempted()
+            raise Preempted(self.global_step, self.last_path())
 
     def train_epoch(self, epoch: int) -> None:
         """One epoch of optimizer steps; resumes after the batches a checkpoint had done."""
@@ -457,7 +446,7 @@ class RawTrainer:
             # still need the GIL to free the tensors of a finished collective). So: drop DDP
             # first (the group's registry keeps it alive), then close the group.
             self.model = Step(self.task)
-            ddp.close_process_group()
+            close_process_group()
 
 
 class EarlyStopping:

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
 from project.data.source import DataSource
-from project.engine.config import to_plain
+from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
 
 

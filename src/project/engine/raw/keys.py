@@ -70,8 +70,8 @@ REFUSED = {"trainer.overfit_batches": 0.0, "trainer.detect_anomaly": False}
 # What the raw trainer builds in place of the Lightning adapters; another _target_ there is
 # code it cannot run (a user's own LightningModule/DataModule).
 ADAPTERS = {
-    "model": "project.engine.module.TaskModule",
-    "data": "project.engine.datamodule.DataModule",
+    "model": "project.engine.lightning.module.TaskModule",
+    "data": "project.engine.lightning.datamodule.DataModule",
 }
 SUPPORTED_PRECISION = ("32-true", "32", 32, "bf16-mixed", "16-mixed")
 

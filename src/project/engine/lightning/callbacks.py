@@ -13,18 +13,14 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.bench.step_stats import StepStats
-from project.engine import faults
-from project.engine.resume import (
-    LAST_CKPT,
-    atomic_save,
-    project_state,
-    rng_state,
-    set_rng_state,
-)
-from project.engine.signals import StopSignal
+from project.engine.checkpoints import LAST_CKPT
+from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
+from project.engine.launch import faults
+from project.engine.launch.signals import StopSignal
+from project.engine.private_api import skip_sigterm_broadcast
+from project.engine.shared.step_stats import StepStats
 
-log = logging.getLogger("project.engine.callbacks")
+log = logging.getLogger("project.engine.lightning.callbacks")
 
 
 class FaultTolerance(pl.Callback):
@@ -33,35 +29,24 @@ class FaultTolerance(pl.Callback):
 
     - At the start of every accumulation window, every few windows, all ranks all-reduce
       (signal received?, time-based checkpoint due?), so they stop or save after the same
-      optimizer step (project.engine.signals). This replaces Lightning's per-step blocking broadcast
-      (`_broadcast_sigterm_tensor`) and its signal handler.
-    - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); train.py
-      exits with project.launcher.EXIT_PREEMPTED.
+      optimizer step (project.engine.launch.signals). This replaces Lightning's per-step
+      blocking broadcast and its signal handler.
+    - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); the run
+      skeleton exits with EXIT_PREEMPTED (project.engine.launch.exits).
     - The end-of-epoch checkpoint is written before the first batch of the next epoch (a
       mid-epoch checkpoint with nothing of that epoch done: the restart point Lightning
       resumes exactly), and the last one when training ends, marked finished. Lightning's
       ModelCheckpoint(save_last=True) is not used for this: in 2.6 it refreshes last.ckpt only
       when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
     - Exact resume: the RNG states travel in the checkpoint, and a mid-epoch checkpoint makes
-      the resumed epoch skip the batches already trained on (engine.sharding.ResumableSampler).
+      the resumed epoch skip the batches already trained on (shared.sharding.ResumableSampler).
     """
 
-    def __init__(
-        self,
-        dirpath: str,
-        filename: str = LAST_CKPT,
-        check_every_n_steps: int = 10,
-        every_n_train_steps: int | None = None,
-        every_n_seconds: float | None = None,
-        stop_budget_s: float | None = 25.0,
-    ) -> None:
+    def __init__(self, dirpath: str, filename: str = LAST_CKPT, **cadences: Any) -> None:
+        # cadences: check_every_n_steps, stop_budget_s, every_n_train_steps, every_n_seconds,
+        # set in configs/callbacks/fault_tolerance.yaml (project.engine.launch.signals)
         self.path = Path(dirpath) / filename
-        self.stop = StopSignal(
-            check_every_n_steps,
-            save_every_n_train_steps=every_n_train_steps,
-            save_every_n_seconds=every_n_seconds,
-            budget_s=stop_budget_s,
-        )
+        self.stop = StopSignal.from_config(cadences)
         self.identity: dict[str, Any] = {}  # set by train.py: what this run trains
         self.finished = False
         self.metrics: dict[str, float] = {}
@@ -92,12 +77,7 @@ class FaultTolerance(pl.Callback):
         # and Lightning's teardown restores the original ones afterwards.
         self.stop.install()
         self.stop.mark_saved(trainer.global_step)  # a resumed run starts from a checkpoint
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            # The per-step broadcast Lightning runs when world size > 1: the check below
-            # does its job every few steps instead.
-            epoch_loop._broadcast_sigterm_tensor = lambda: None
-        else:
+        if not skip_sigterm_broadcast(trainer):  # the check below does its job every few steps
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
 
     def on_train_batch_start(

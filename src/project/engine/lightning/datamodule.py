@@ -3,7 +3,7 @@ datamodule gets, the template's or a user's own.
 
 `prepare_data` runs `source.prepare()` in one process per node; `setup` builds the split
 datasets on every rank. The loaders are plain `DataLoader(dataset, shuffle=...)`: sharding
-and the resumable order come from `shard_datamodule` (project.engine.sharding), the same
+and the resumable order come from `shard_datamodule` (project.engine.shared.sharding), the same
 code the raw trainer runs.
 """
 
@@ -17,9 +17,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from project.data.source import SPLITS
-from project.engine.config import to_plain
-from project.engine.loaders import build_source, plain_loader
-from project.engine.sharding import shard_loaders
+from project.engine.config.compose import to_plain
+from project.engine.shared.loaders import build_source, plain_loader
+from project.engine.shared.sharding import shard_loaders
 
 
 class DataModule(pl.LightningDataModule):

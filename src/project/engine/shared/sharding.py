@@ -36,7 +36,7 @@ from torch.utils.data import (
 
 from project.engine.errors import UserError
 
-log = logging.getLogger("project.engine.sharding")
+log = logging.getLogger("project.engine.shared.sharding")
 
 
 class ResumableSampler(DistributedSampler):

@@ -1,75 +1,22 @@
-"""What exact resume needs beyond model and optimizer state, for both trainers: the RNG
-states, atomic checkpoint writes, where a run's last checkpoint lives, and the checks that a
-checkpoint may be resumed by this config.
+"""Where a run continues from, for both trainers: where its last checkpoint lives, and the
+checks that a checkpoint may be resumed by this config.
 
-Every checkpoint of either trainer carries a `project` entry: the config keys that define
-what is trained (`training_identity`), whether the run finished, and its final fit metrics.
-A run folder is only continued by the same training (`check_resumable`); a finished run is
-reported, never trained again. RNG states are stored as tensors and plain Python values so
-checkpoints still load with `torch.load(weights_only=True)`.
+Every checkpoint of either trainer carries a `project` entry (project.engine.checkpoints.state):
+the config keys that define what is trained (`training_identity`), whether the run finished,
+and its final fit metrics. A run folder is only continued by the same training
+(`check_resumable`); a finished run is reported, never trained again.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from project.engine.console import METRICS_FILE, read_metrics
+from project.engine.checkpoints import LAST_CKPT
+from project.engine.checkpoints.state import read_checkpoint
 from project.engine.errors import UserError
-
-log = logging.getLogger("project.engine.resume")
-
-LAST_CKPT = "last.ckpt"  # FaultTolerance's resume point (Lightning's checkpoint format)
-LAST_PT = "last.pt"  # the raw trainer's: its own format, whatever the config names
-
-
-def rng_state() -> dict[str, Any]:
-    """The python, numpy and torch (CPU and CUDA) RNG states."""
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_save(obj: Any, path: str | Path) -> None:
-    """torch.save to a temp file in the same folder, fsync, then rename over `path`.
-
-    A write killed midway leaves the previous `path` intact (rename is atomic on POSIX).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
 
 # What a run trains: a checkpoint is only resumed by a config that agrees on these (dotted
 # prefixes). Where the data lives and how it is loaded may change between attempts.
@@ -96,40 +43,6 @@ def training_identity(cfg: Mapping[str, Any]) -> dict[str, Any]:
         k: v for k, v in flat.items()
         if not any(k == n or k.startswith(n + ".") for n in NOT_IDENTITY)
     }  # fmt: skip
-
-
-def project_state(
-    identity: dict[str, Any], finished: bool = False, metrics: dict[str, float] | None = None
-) -> dict[str, Any]:
-    """The `project` entry of a checkpoint (plain values: loads with weights_only=True)."""
-    return {"identity": identity, "finished": finished, "metrics": dict(metrics or {})}
-
-
-def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:
-    """torch.load(weights_only=True) of `path`, or a one-line UserError naming the file and the
-    problem. Memory-mapped: checking a large checkpoint does not read all of it."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{what} {p} does not exist (or is a folder): give a checkpoint file")
-    try:
-        try:
-            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:  # not a zip file: mmap is refused, so load it plainly
-            if "mmap" not in str(err):
-                raise
-            ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as err:
-        with open(p, "rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
-        reason = " ".join(f"{type(err).__name__}: {err}".split())[:160]
-        reason = reason if zipped else "not a torch.save file: no zip archive inside"
-        raise UserError(
-            f"{what} {p} cannot be read ({reason}); it was left as it is: move it away to "
-            "start over, or pass ckpt_path=<another checkpoint>"
-        ) from err
-    if not isinstance(ckpt, dict):
-        raise UserError(f"{what} {p} is not a checkpoint of this project (no dict inside)")
-    return ckpt
 
 
 def saved_identity(ckpt: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
@@ -226,16 +139,3 @@ def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
     return Resume(path, finished, state.get("metrics") or {})
-
-
-def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:
-    """The results a run that already finished kept in its folder, said so in the log; {}
-    when there is work left (not finished, or it died before writing its results)."""
-    earlier = read_metrics(output_dir) if resume.finished else {}
-    if earlier:
-        log.info(
-            f"This run already finished ({resume.path}); its results are kept in "
-            f"{output_dir / METRICS_FILE}. For more training start a new run from its "
-            f"weights: ckpt_path={resume.path} trainer.max_epochs=<more>"
-        )
-    return earlier

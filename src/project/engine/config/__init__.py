@@ -1,0 +1,1 @@
+"""Composing a config: the config folder, resolvers, `_target_` checks, typed keys (no torch)."""

@@ -1,0 +1,1 @@
+"""What the launcher started and how a worker ends: env, topology/DDP, signals, exit codes."""

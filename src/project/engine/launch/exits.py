@@ -1,0 +1,100 @@
+"""How a worker ends, in one place: the exit codes, the stop, the exit report to the launcher,
+and closing the process group.
+
+One exit code means one thing, for both trainers, eval, the doctor and `project.launcher`:
+0 finished, 1 anything else, 2 bad input (one line said why), 143 stopped by a signal after
+saving the last checkpoint (run the same command again to resume). 143 is 128 + SIGTERM, what
+a process killed by SIGTERM reports, so schedulers treat it as "terminated", not "failed".
+
+Only the standard library is imported at the top: `project.launcher` and every entry point
+import this module before anything heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+from project.engine.launch.env import rank
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 143
+NO_RESTART = (EXIT_BAD_INPUT, EXIT_PREEMPTED)  # a restart would repeat the error, or fight the
+# scheduler that is taking the machine away
+
+EXIT_DIR_ENV = "PROJECT_EXIT_DIR"  # the folder project.launcher reads the workers' codes from
+
+
+def one_line(message: str) -> str:
+    """Hydra's messages span lines and end with its config search path: keep the useful part."""
+    message = str(message).split("Config search path:")[0]
+    return " ".join(message.split())
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """Print one line naming the problem (and the fix) and exit with `code`."""
+    print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop on a signal and the last checkpoint is saved
+    (project.engine.launch.signals); the run skeleton exits with EXIT_PREEMPTED."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"stopped by a signal at step {step}")
+        self.step, self.checkpoint = step, checkpoint  # None: fault tolerance is off
+
+
+@contextlib.contextmanager
+def report_exit() -> Iterator[None]:
+    """Around a worker's main(): record its exit code for the launcher (when there is one).
+
+    torchrun does not collect its workers' exit codes when it is the one that was signalled.
+    """
+    code: int | str | None = EXIT_FAILED
+    try:
+        yield
+        code = EXIT_OK
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        raise
+    finally:
+        folder = os.environ.get(EXIT_DIR_ENV)
+        if folder and os.path.isdir(folder):
+            Path(folder, f"rank-{rank()}").write_text(str(code))
+
+
+def worker_exits(folder: str) -> dict[int, int]:
+    """{global rank: exit code} of the workers on this node that reported one."""
+    codes = {}
+    for path in Path(folder).glob("rank-*"):
+        with contextlib.suppress(ValueError):
+            codes[int(path.name.removeprefix("rank-"))] = int(path.read_text())
+    return codes
+
+
+def close_process_group() -> None:
+    """Destroy the default process group, if any, before the interpreter shuts down.
+
+    Left to interpreter shutdown, gloo's worker thread can still hold the tensors of the last
+    collective and need the GIL to free them while the interpreter is being torn down: the
+    process aborts ("terminate called without an active exception", exit -6) after a
+    finished run, and torchrun reports the job failed (pytorch/pytorch#179291 explains it).
+    Call it after the DDP wrapper is gone (Lightning unwraps it in its teardown; the raw
+    trainer drops it first): the Reducer's destructor joins that same thread while holding
+    the GIL.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(0.1)  # releases the GIL: the worker thread finishes with its tensors
+        dist.destroy_process_group()

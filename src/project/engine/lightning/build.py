@@ -1,0 +1,103 @@
+"""What train.py builds besides the user's data and model: the strategy, the callbacks and
+loggers from their config groups, and the Lightning-specific parts of a stop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig
+
+from project.engine.checkpoints.resume import training_identity
+from project.engine.checkpoints.state import read_checkpoint
+from project.engine.config.compose import to_plain
+from project.engine.errors import UserError
+from project.engine.launch import ddp
+from project.engine.launch.exits import Preempted
+from project.engine.lightning.callbacks import FaultInjection, FaultTolerance, StepStatsCallback
+from project.engine.private_api import kill_launched_ranks
+from project.engine.run.console import quiet_lightning
+from project.engine.run.skeleton import Run
+
+log = logging.getLogger("project.train")
+
+
+def instantiate_all(group: DictConfig | None) -> list[Any]:
+    """Instantiate every non-null `{name: {_target_: ...}}` entry of a callbacks/logger group."""
+    return [instantiate(c) for c in (group or {}).values() if c is not None]
+
+
+def strategy(run: Run) -> Any:
+    """The DDPStrategy of the `strategy` group, or "auto" for one process in total."""
+    quiet_lightning()  # after Lightning's import: each of its lines once, rank 0 only
+    return ddp.build_strategy(run.cfg.get("strategy"), run.topology)
+
+
+def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
+    """The `callbacks` group, fitted to the run: what the trainer flags switch off is left out,
+    fault tolerance knows what this run trains, the optional recorders are added."""
+    cfg, found = run.cfg, instantiate_all(run.cfg.get("callbacks"))
+    left_out = []
+    if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
+        left_out.append(pl.callbacks.LearningRateMonitor)
+    if cfg.trainer.get("enable_progress_bar") is False:  # the flag every Lightning user knows
+        left_out.append(pl.callbacks.ProgressBar)
+    if cfg.trainer.get("enable_model_summary") is False:
+        left_out.append(pl.callbacks.ModelSummary)
+    found = [c for c in found if not isinstance(c, tuple(left_out))]
+    fault_tolerance = next((c for c in found if isinstance(c, FaultTolerance)), None)
+    check_one_last_checkpoint(found, fault_tolerance)
+    if fault_tolerance is not None:
+        fault_tolerance.identity = training_identity(to_plain(cfg))
+    if cfg.get("step_stats"):
+        found.append(StepStatsCallback(str(run.output_dir)))
+    if (cfg.get("fault_injection") or {}).get("at_step") is not None:
+        found.append(FaultInjection(to_plain(cfg.fault_injection)))
+    return found
+
+
+def check_one_last_checkpoint(callbacks: list[Any], fault_tolerance: Any) -> None:
+    """A ModelCheckpoint with save_last next to FaultTolerance would write a second last.ckpt
+    into the same folder (Lightning then versions it: last-v1.ckpt, and auto-resume would
+    read a stale one)."""
+    for cb in callbacks:
+        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.save_last and fault_tolerance:
+            raise UserError(
+                "callbacks.model_checkpoint.save_last=true writes a second last.ckpt beside "
+                "the one callbacks.fault_tolerance writes every epoch: leave it false"
+            )
+
+
+def best_checkpoint(trainer: pl.Trainer, run: Run) -> Any:
+    """This run's best checkpoint: what ModelCheckpoint found in this attempt, or (a finished
+    run that is only tested) what its last checkpoint recorded."""
+    from pathlib import Path
+
+    if run.fits:
+        best = getattr(trainer.checkpoint_callback, "best_model_path", None)
+    elif run.resume.path is not None:
+        states = read_checkpoint(run.resume.path).get("callbacks", {}).values()
+        best = next((s["best_model_path"] for s in states if s.get("best_model_path")), None)
+    else:
+        best = None
+    return Path(best) if best else None
+
+
+@contextlib.contextmanager
+def stops_as_preempted(trainer: pl.Trainer, run: Run) -> Iterator[None]:
+    """Lightning's SIGTERMException (raised by FaultTolerance once every rank agreed to stop)
+    becomes the skeleton's Preempted; on any other failure the ranks Lightning's own launcher
+    started are killed, so no rank is left behind (e.g. one hung while rank 0 timed out)."""
+    try:
+        yield
+    except SIGTERMException:
+        raise Preempted(trainer.global_step, run.last) from None
+    except BaseException:
+        kill_launched_ranks(trainer, signal.SIGKILL)
+        raise

@@ -1,0 +1,1 @@
+"""The raw PyTorch DDP trainer (no Lightning) and the config keys it reads."""

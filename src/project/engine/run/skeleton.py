@@ -1,0 +1,198 @@
+"""One run from start to end, the same for both trainers; only "build, fit, test" differs.
+
+    preflight   typed keys, where the run executes, topology, the run folder's last checkpoint
+                (resume, or a finished run's results), the `_target_`s: all before anything
+                heavy is imported or built, so bad input answers in seconds with one line
+    dispatch    a sweep job that is not trained in this process: on SLURM (torchrun on every
+                node of the job) or with several processes (its own torchrun job)
+    fit + test  the trainer's own `fit_and_test(run)` (train.py, raw_train.py)
+    stop        a coordinated stop (Preempted) -> one line, exit 143, rerun to resume
+    finish      the process group closed on every rank, metrics.json written by rank 0
+
+The entry points import this module before Hydra composes: only light imports at the top.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from project.engine.config.compose import check_targets, to_plain
+from project.engine.config.schema import check_schema
+from project.engine.errors import UserError
+from project.engine.launch.env import is_rank_zero
+from project.engine.launch.exits import EXIT_PREEMPTED, Preempted, close_process_group
+from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
+
+if TYPE_CHECKING:
+    from project.engine.checkpoints.resume import Resume
+    from project.engine.launch.ddp import Topology
+
+log = logging.getLogger("project.engine.run")
+
+TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "strategy", "paths")
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """What the skeleton needs to know about a trainer."""
+
+    name: str  # TRAINER= of the launch scripts: lightning | raw
+    module: str  # its entry module: a sweep job with several processes relaunches it
+    checkpoint_key: str  # a key every checkpoint of this trainer has (the other's is refused)
+    last_name: str | None = None  # its last checkpoint's file name (None: the configured one)
+    skip_targets: Collection[str] = field(default_factory=tuple)  # `_target_`s not imported
+
+
+@dataclass
+class Run:
+    """What preflight found out, handed to the trainer's fit_and_test."""
+
+    cfg: DictConfig
+    output_dir: Path
+    topology: Topology
+    resume: Resume  # where training continues from (or the finished run it only tests)
+    last: Path | None  # where this run keeps its last checkpoint (None: fault tolerance off)
+
+    @property
+    def fits(self) -> bool:
+        """Whether this attempt trains (train=true and the run has not finished yet)."""
+        return bool(self.cfg.train) and not self.resume.finished
+
+
+def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[str, float]]) -> dict:
+    """Preflight, dispatch, then `fit_and_test`; returns the run's final metrics."""
+    check_schema(cfg)  # types and ranges, before torch is imported: fails in about a second
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from project.engine.cluster import slurm_job
+    from project.engine.launch import ddp
+
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweep_job and slurm_job.active():  # hydra/launcher=submitit_slurm
+        check_targets(cfg, skip=trainer.skip_targets)
+        slurm_job.run_on_every_node(
+            list(hydra_cfg.overrides.task), str(output_dir), cfg.trainer, trainer.name
+        )
+        return read_metrics(output_dir)
+    topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
+    found = preflight(cfg, output_dir, topology, trainer)
+    if isinstance(found, dict):
+        return found  # a finished run's results
+    if sweep_job and topology.world_size > 1:
+        relaunch(cfg, trainer, output_dir, topology, list(hydra_cfg.overrides.task))
+        return read_metrics(output_dir)
+    prepare(found, trainer)
+    metrics = fit_and_test_then_stop(found, fit_and_test)
+    if is_rank_zero():
+        write_metrics(output_dir, metrics)
+    return metrics
+
+
+def preflight(
+    cfg: DictConfig, output_dir: Path, topology: Topology, trainer: Trainer
+) -> Run | dict[str, float]:
+    """The run folder's last checkpoint and the targets, before anything is built: a bad
+    checkpoint stops with one line, nothing written; a finished run returns its results."""
+    from project.engine.checkpoints.resume import find_resume, last_checkpoint
+
+    last = last_checkpoint(cfg, output_dir, trainer.last_name)
+    resume = find_resume(to_plain(cfg), last, kind=trainer.checkpoint_key)
+    if earlier := finished_results(resume, output_dir):
+        return earlier
+    check_targets(cfg, skip=trainer.skip_targets)
+    return Run(cfg, output_dir, topology, resume, last)
+
+
+def prepare(run: Run, trainer: Trainer) -> None:
+    """Threads per rank, the hardware checks, and (rank 0) the config tree and the topology."""
+    from project.engine.launch import ddp
+    from project.engine.run.console import print_config_tree
+
+    threads = ddp.configure_threads(run.topology)
+    ddp.check_hardware(run.cfg.get("strategy"), run.cfg.trainer)
+    if is_rank_zero():
+        tree_log = run.output_dir / "config_tree.log"  # a resumed run keeps its first record
+        print_config_tree(run.cfg, TREE_ORDER, save_to=None if tree_log.exists() else tree_log)
+        t = run.topology
+        log.info(
+            f"{trainer.name} trainer: {t.devices} process(es) per node x {t.num_nodes} node(s), "
+            f"launcher: {t.launcher.name if t.launcher else 'none'}, {threads} thread(s) per "
+            "process"
+        )
+
+
+def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:
+    """The results a run that already finished kept in its folder, said so in the log; {}
+    when there is work left (not finished, or it died before writing its results)."""
+    earlier = read_metrics(output_dir) if resume.finished else {}
+    if earlier:
+        log.info(
+            f"This run already finished ({resume.path}); its results are kept in "
+            f"{output_dir / METRICS_FILE}. For more training start a new run from its "
+            f"weights: ckpt_path={resume.path} trainer.max_epochs=<more>"
+        )
+    return earlier
+
+
+def relaunch(
+    cfg: DictConfig, trainer: Trainer, output_dir: Path, topology: Topology, overrides: list[str]
+) -> None:
+    """A sweep job with several processes runs as its own single-node torchrun job."""
+    from project.engine.launch.torchrun import relaunch as torchrun_relaunch
+
+    if topology.launcher is not None or topology.num_nodes > 1:
+        raise UserError(
+            "a multirun (-m) with several processes starts one torchrun job per sweep job "
+            "itself: run it with plain python, single node"
+        )
+    torchrun_relaunch(trainer.module, overrides, str(output_dir), topology.devices)
+
+
+def fit_and_test_then_stop(
+    run: Run, fit_and_test: Callable[[Run], dict[str, float]]
+) -> dict[str, float]:
+    """`fit_and_test` with a dead peer reported in one line and a coordinated stop turned
+    into exit 143; the process group is closed after a finished run or a stop."""
+    from project.engine.launch.ddp import peer_failures_reported
+
+    try:
+        with peer_failures_reported():
+            metrics = fit_and_test(run)
+    except Preempted as stop:
+        if is_rank_zero():
+            saved = f"{stop.checkpoint.name} is saved" if stop.checkpoint else "nothing saved"
+            log.info(
+                f"Stopped by a signal at step {stop.step}; {saved}. Run the same command "
+                f"again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
+            )
+        close_process_group()  # every rank agreed to stop: the group is healthy
+        sys.exit(EXIT_PREEMPTED)
+    close_process_group()
+    return metrics
+
+
+def checkpoint_to_test(run: Run, best: Path | None) -> Path | None:
+    """The weights `test` evaluates (`test_ckpt`), the same rule in both trainers:
+
+    - best / last: that checkpoint of this run when it exists;
+    - nothing trained in this attempt (train=false, or a finished run only tested): the
+      checkpoint it started from;
+    - else (current, or no such file): None, the weights in memory.
+    """
+    which = run.cfg.get("test_ckpt") or "current"
+    chosen = {"best": best, "last": run.last}.get(which)
+    if chosen is not None and chosen.is_file() and (run.cfg.train or run.resume.finished):
+        return chosen
+    if not run.fits:
+        return run.resume.path
+    return None

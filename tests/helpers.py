@@ -1,0 +1,231 @@
+"""What the tests share (the fixtures are in conftest.py): presets, running the real CLIs in
+subprocesses, reading what a run left behind, and the assertions several test files make.
+Test files import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"
+
+# Quiet, fast, reproducible children: one thread per rank (2 threads per rank on 2 cores makes
+# DDP ~4x slower and changes losses at 1e-7), no progress bar noise.
+QUIET = ["trainer.enable_progress_bar=false"]
+# experiment=charlm, small: 2 epochs of 12 steps of 8 windows of 32 characters, a narrow GPT.
+CHARLM = ["experiment=charlm", "trainer.max_epochs=2", "trainer.limit_train_batches=12",
+          "trainer.limit_val_batches=4", "trainer.limit_test_batches=2", "model.net.d_model=32",
+          "model.net.n_head=2", "data.batch_size=8", "data.dataset.block_size=32"]  # fmt: skip
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_ID", "HYDRA_FULL_ERROR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def exit_check_env() -> dict[str, str]:
+    """Environment for a distributed run whose workers report at exit whether they closed
+    their process group (tests/exit_check/sitecustomize.py); see assert_groups_closed."""
+    paths = [str(ROOT / "tests" / "exit_check"), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def assert_groups_closed(out: str, nproc: int) -> None:
+    """Every one of `nproc` workers closed its process group before the interpreter exit."""
+    closed = [ln for ln in out.splitlines() if ln.startswith("exit check:")]
+    assert len(closed) == nproc and all(ln.endswith("closed") for ln in closed), closed
+
+
+def run_script(
+    script: str, args: Sequence[str], timeout: float = 240, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run `python <script> args...` (or `python -m module` for script="-m module") from the
+    repo root; returns the completed process."""
+    target = script.split() if script.startswith("-m ") else [str(ROOT / script)]
+    return subprocess.run(
+        [sys.executable, *target, *args],
+        cwd=ROOT,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """All scalar series from the TensorBoard event files under `tb_dir`: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+STARTED: list[subprocess.Popen[str]] = []  # this test's process groups (see reap_processes)
+
+
+def start(cmd: Sequence[str], **env: str) -> subprocess.Popen[str]:
+    """Start `cmd` from the repo root in its own process group (so a test can see strays)."""
+    proc = subprocess.Popen(
+        list(cmd), cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    STARTED.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str]:
+    """Wait for `proc`; kill its whole group if it overruns. Returns (exit code, output)."""
+    import signal
+    import time
+
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s:\n{out[-3000:]}") from None
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(proc.pid), f"processes left behind by {proc.args}"
+    return proc.returncode, out
+
+
+def run_launch(script: str, args: Sequence[str], timeout: float = 180, **env: str) -> str:
+    """Run a launch script to success; returns its output."""
+    code, out = finish(start([str(ROOT / "launch" / script), *args], **env), timeout)
+    assert code == 0, out[-4000:]
+    return out
+
+
+# The 2-process runs of torchrun_runs: 2 epochs of 10 steps per rank, every step's loss in
+# TensorBoard and in step_stats.json.
+# Short runs (each test adds what it checks): 3 epochs, no test; 2 epochs with every step's
+# loss logged, no test; 3 epochs with per-step statistics (step_stats.json).
+SHORT_NO_TEST = ["trainer.max_epochs=3", "test=false"]
+SHORT_LOGGED = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "test=false"]
+SHORT_STATS = ["trainer.max_epochs=3", "step_stats=true"]
+TORCHRUN_ARGS = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "step_stats=true",
+                 *QUIET]  # fmt: skip
+
+
+@dataclass
+class Run:
+    dir: Path  # the run folder
+    out: str  # what the job printed
+
+
+def torchrun(target: Sequence[str], nproc: int = 2) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node=N <target>`: the
+    command project.compare and sweep jobs build (project.engine.launch.torchrun)."""
+    from project.engine.launch.torchrun import command
+
+    return command(list(target), nproc)
+
+
+def options(group: str) -> list[str]:
+    """The option names of a config group (its YAML files)."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def one_error_line(out: str) -> str:
+    """The output must hold exactly one `error: ...` line and no traceback; returns it."""
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    return errors[0]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 2 and stderr is exactly one `error:` line that names every needle."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    line = one_error_line(proc.stderr)
+    for needle in needles:
+        assert needle in line, line
+
+
+METRIC = re.compile(r"([a-z]+/[a-z_]+)=([-0-9.e]+)")
+
+
+def logged_metrics(stdout: str, prefix: str = "test/") -> dict[str, float]:
+    """The `Metrics: ...` line a run logs last, as {name: value} (names starting with prefix)."""
+    line = [ln for ln in stdout.splitlines() if "Metrics:" in ln][-1]
+    return {k: float(v) for k, v in METRIC.findall(line) if k.startswith(prefix)}
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    """Every logged `train/loss_step` of a run, read back from its TensorBoard event files."""
+    return [v for _, v in read_scalars(run_dir / "tensorboard")["train/loss_step"]]
+
+
+def final_weights(run_dir: Path) -> dict[str, Any]:
+    """The network's weights in a run's last checkpoint, keyed alike for both trainers."""
+    import torch
+
+    ckpt_dir = run_dir / "checkpoints"
+    if (ckpt_dir / "last.pt").is_file():  # the raw trainer
+        return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
+    state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
+    return {k.removeprefix("task."): v for k, v in state.items() if k.startswith("task.")}
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    """Bitwise the same final weights in two run folders."""
+    import torch
+
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs"
+
+
+def assert_same_training(lightning: Path, raw: Path) -> None:
+    """Two run folders of one config, one per trainer: the same loss at every step (bitwise),
+    the same final weights and metrics (to float noise)."""
+    import torch
+
+    losses = [
+        json.loads((run / "step_stats.json").read_text())["losses"] for run in (lightning, raw)
+    ]
+    assert len(losses[1]) >= 20
+    assert losses[0] == losses[1]  # bitwise, every step
+    a, b = final_weights(lightning), final_weights(raw)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+    metrics = [json.loads((run / "metrics.json").read_text()) for run in (lightning, raw)]
+    shared = [k for k in metrics[1] if k in metrics[0]]  # Lightning also logs lr, loss_step
+    assert {"val/loss", "test/loss"} <= set(shared)
+    for key in shared:
+        assert metrics[0][key] == pytest.approx(metrics[1][key], abs=1e-6), key
