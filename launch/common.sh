@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Shared by the launch scripts (sourced, not run): which Python, which trainer, how to run.
 #   PYTHON   interpreter (default: the repo's .venv if present, else python3)
-#   TRAINER  lightning (default) | raw: the plain PyTorch DDP trainer | doctor: project.doctor
+#   TRAINER  lightning (default), or one of the others below (raw: the plain PyTorch DDP
+#            trainer; doctor: project.doctor, which checks the set-up instead of training)
 #   DRY_RUN  1: print the command and exit without running it
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,9 +12,9 @@ fi
 
 case "${TRAINER:-lightning}" in
   lightning) MODULE=project.train ;;
-  raw) MODULE=project.raw_train ;;
-  doctor) MODULE=project.doctor ;;  # check the set-up instead of training (README: Troubleshooting)
-  *) echo "error: TRAINER=${TRAINER} is not one of: lightning, raw, doctor" >&2; exit 2 ;;
+  raw) MODULE=project.raw_train ;;  # feature:raw
+  doctor) MODULE=project.doctor ;;  # feature:doctor
+  *) echo "error: TRAINER=${TRAINER} is not one of the trainers listed in launch/common.sh" >&2; exit 2 ;;
 esac
 
 # torchrun shares its rendezvous store with the workers' process group by default; after a

@@ -4,6 +4,7 @@
     python scripts/new_project.py ../my-net --package mynet --name my-net \\
         --author "Ada Lovelace" --email ada@example.com --description "Digits, but bigger"
     python scripts/new_project.py . --in-place --package mynet   # a "use this template" clone
+    python scripts/new_project.py ../lean --package lean --without slurm,k8s,sweeps,doctor
 
 Copies the git-tracked files (never .venv, logs, data caches), renames src/project to
 src/<package>, and rewrites `project` only where it names the package: imports, dotted paths
@@ -11,6 +12,11 @@ src/<package>, and rewrites `project` only where it names the package: imports, 
 name/scripts/tool settings, and the launch recipes' job names. The word in prose and keys that
 merely share it (the `[project]` table of pyproject.toml) stay. Afterwards it checks that no
 `project` import is left (exit 1 if one is) and lists the remaining plain-text mentions.
+
+`--without` leaves optional features out (FEATURES below): their own files, and in the shared
+files the lines marked for them, which is each feature's one seam to the rest: a block between
+a `feature:NAME` line and a `/feature:NAME` line, or a single line ending in `# feature:NAME`.
+Markdown table rows that name a file left out go too (README's map of the docs, its layout).
 """
 
 from __future__ import annotations
@@ -31,6 +37,23 @@ TEMPLATE_ONLY = {
     "copier.yml",
     ".copier-answers.yml.jinja",
 }
+# Optional features: the files (or folders, ending in /) that are each one's own.
+FEATURES = {
+    "slurm": ["launch/slurm.sbatch", "configs/hydra/launcher/", "docs/slurm.md",
+              "src/hydra_plugins/submitit_slurm_launcher.py",
+              f"src/{OLD}/engine/cluster/slurm_job.py", f"src/{OLD}/engine/cluster/slurm_queue.py",
+              "tests/test_slurm.py", "tests/test_slurm_job.py", "tests/slurm_cluster.sh"],
+    "k8s": ["launch/k8s/"],
+    "sweeps": ["configs/hparams_search/", "src/hydra_plugins/optuna_sqlite_sweeper.py",
+               f"src/{OLD}/engine/cluster/sweeper.py", "tests/test_sweep.py", "docs/sweeps.md"],
+    "tracking": ["configs/logger/mlflow.yaml", "configs/logger/wandb.yaml",
+                 "configs/logger/many.yaml", f"src/{OLD}/engine/lightning/tracking.py",
+                 "tests/test_tracking.py", "docs/tracking.md"],
+    "doctor": [f"src/{OLD}/doctor/", "tests/test_doctor.py", "docs/doctor.md"],
+    "raw": [f"src/{OLD}/raw_train.py", f"src/{OLD}/engine/raw/", f"src/{OLD}/compare.py",
+            f"src/{OLD}/bench/", "tests/test_raw_parity.py", "docs/raw-trainer.md",
+            "docs/compare.png"],
+}  # fmt: skip
 # Copied but never rewritten: copier's record of the template it came from.
 VERBATIM = {".copier-answers.yml"}
 # Import names of the dependencies: a package named like one would shadow it.
@@ -110,6 +133,67 @@ def rewrite(text: str, rel: str, package: str, name: str, description: str) -> s
     return text
 
 
+def parse_without(value: str | None) -> set[str]:
+    """`--without a,b`: the optional features to leave out (all must be known)."""
+    names = {n.strip() for n in (value or "").split(",") if n.strip()}
+    if unknown := sorted(names - set(FEATURES)):
+        raise Refused(
+            f"--without {','.join(unknown)}: not an optional feature; choose from "
+            f"{','.join(FEATURES)}"
+        )
+    return names
+
+
+def left_out(rel: str, without: set[str]) -> bool:
+    """Whether template file `rel` belongs to a feature left out."""
+    own = [f for name in without for f in FEATURES[name]]
+    return any(rel == f or (f.endswith("/") and rel.startswith(f)) for f in own)
+
+
+def kept_files(files: list[str], without: set[str]) -> list[str]:
+    """The files of the new project: no left-out feature's files, and no package folder left
+    holding only its __init__.py."""
+    kept = [f for f in files if not left_out(f, without)]
+    folders = {str(Path(f).parent) for f in kept if not f.endswith("__init__.py")}
+    return [f for f in kept if not f.endswith("__init__.py") or str(Path(f).parent) in folders
+            or any(d.startswith(str(Path(f).parent) + "/") for d in folders)]  # fmt: skip
+
+
+BLOCK = re.compile(r"^\s*(?:#|<!--)\s*(/?)feature:(\w+)\s*(?:-->)?\s*$")
+INLINE = re.compile(r"\s+#\s*feature:(\w+)\s*$")
+
+
+def strip_features(text: str, rel: str, without: set[str]) -> str:
+    """The lines of `text` marked for a left-out feature removed, every marker removed, and
+    (markdown) the table rows naming a left-out file."""
+    gone = [f for name in without for f in FEATURES[name]]
+    gone += [f"({Path(f).name})" for f in gone if f.startswith("docs/")]  # links inside docs/
+    gone += [f"({Path(f).name}#" for f in gone if f.startswith("docs/")]
+    gone += [f"`{f.removeprefix(f'src/{OLD}/')}`" for f in gone if f.startswith(f"src/{OLD}/")]
+    out: list[str] = []
+    open_blocks: list[str] = []
+    for line in text.splitlines(keepends=True):
+        block = BLOCK.match(line)
+        if block:
+            closing, name = block.groups()
+            if closing:
+                open_blocks.remove(name)
+            else:
+                open_blocks.append(name)
+            continue
+        if any(name in without for name in open_blocks):
+            continue
+        inline = INLINE.search(line)
+        if inline:
+            if inline.group(1) in without:
+                continue
+            line = line[: inline.start()] + "\n"
+        if rel.endswith(".md") and line.lstrip().startswith("|") and any(g in line for g in gone):
+            continue
+        out.append(line)
+    return "".join(out)
+
+
 def add_author(text: str, author: str | None, email: str | None) -> str:
     if not author:
         return text
@@ -122,7 +206,9 @@ def generate(args: argparse.Namespace) -> Path:
     validate_package(args.package)
     name = args.name or args.package.replace("_", "-")
     validate_name(name)
-    files = [f for f in tracked_files(template) if f not in TEMPLATE_ONLY]
+    without = parse_without(args.without)
+    tracked = [f for f in tracked_files(template) if f not in TEMPLATE_ONLY]
+    files = kept_files(tracked, without)
     if not (template / "src" / OLD).is_dir():
         raise Refused(f"{template}/src/{OLD} does not exist: this checkout was renamed already")
     dest = Path(args.destination).resolve()
@@ -147,6 +233,7 @@ def generate(args: argparse.Namespace) -> Path:
         except UnicodeDecodeError:
             text = None  # binary: copied as is
         if text is not None and rel not in VERBATIM:
+            text = strip_features(text, rel, without)
             text = rewrite(text, rel, args.package, name, description)
             if rel == "pyproject.toml":
                 text = add_author(text, args.author, args.email)
@@ -157,6 +244,8 @@ def generate(args: argparse.Namespace) -> Path:
         if args.in_place and target != source:
             source.unlink()
     if args.in_place:
+        for rel in set(tracked) - set(files):  # the features left out
+            (template / rel).unlink(missing_ok=True)
         shutil.rmtree(template / "src" / OLD, ignore_errors=True)
         for rel in TEMPLATE_ONLY:
             path = template / rel
@@ -196,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--email", help="author email for pyproject.toml")
     parser.add_argument("--description", help="one-line description")
     parser.add_argument("--in-place", action="store_true", help="rename this checkout itself")
+    parser.add_argument(
+        "--without",
+        metavar="FEATURES",
+        help=f"optional features to leave out, comma-separated: {','.join(FEATURES)}",
+    )
     args = parser.parse_args(argv)
     try:
         dest = generate(args)
@@ -208,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"  {e}" for e in errors), file=sys.stderr)
         return 1
     print(f"Created {dest} (package {args.package}).")
+    if args.without:
+        print(f"Left out: {', '.join(sorted(parse_without(args.without)))}.")
     if mentions:
         print(f"Plain-text mentions of '{OLD}' left for you to review ({len(mentions)}):")
         print("\n".join(f"  {m}" for m in mentions))

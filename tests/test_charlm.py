@@ -29,7 +29,7 @@ def test_unreadable_corpus_is_one_line(tmp_path) -> None:
         CharCorpus(path=str(tmp_path / "missing.txt"))
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe\x00 not text")
-    proc = run_script("-m project.raw_train", ["experiment=charlm", f"data.dataset.path={binary}"])
+    proc = run_script("train.py", ["experiment=charlm", f"data.dataset.path={binary}"])
     assert_one_line_error(proc, "data.dataset.path=", "UTF-8")
 
 
@@ -53,6 +53,10 @@ def test_train_then_eval_rebuilds_the_language_model(base_args, log_dir) -> None
 
 
 def test_a_task_that_does_not_exist_is_one_line(base_args) -> None:
-    for script in ("train.py", "-m project.raw_train"):
+    scripts = [
+        "train.py",
+        "-m project.raw_train",  # feature:raw
+    ]
+    for script in scripts:
         proc = run_script(script, [*base_args, "model.task._target_=project.tasks.nope.Nope"])
         assert_one_line_error(proc, "model.task._target_=project.tasks.nope.Nope", "imported")

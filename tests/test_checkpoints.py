@@ -25,9 +25,15 @@ from tests.helpers import (
 )
 
 FINISHED = ["trainer.max_epochs=2"]  # the shared finished run's own overrides
-TRAINERS = {"lightning": ("project.train", "last.ckpt"), "raw": ("project.raw_train", "last.pt")}
+TRAINERS = {
+    "lightning": ("project.train", "last.ckpt"),
+    "raw": ("project.raw_train", "last.pt"),  # feature:raw
+}
 # The raw trainer's twins of these checks run in the slow tier (make test-slow).
-BOTH = ["lightning", pytest.param("raw", marks=pytest.mark.slow)]
+BOTH = [
+    "lightning",
+    pytest.param("raw", marks=pytest.mark.slow),  # feature:raw
+]
 
 
 def run(module: str, args: list[str], run_id: str | None = None, **env: str) -> tuple[int, str]:
@@ -167,6 +173,7 @@ def test_auto_resume_off_starts_fresh(base_args, log_dir, finished_runs) -> None
     assert "resuming from" not in out and "already finished" not in out
 
 
+# feature:raw
 def test_raw_trainer_resumes_from_an_explicit_checkpoint(base_args, finished_runs, tmp_path):
     """More epochs from a finished run's last.pt: only the new epoch is trained."""
     last = finished_runs("raw") / "checkpoints" / "last.pt"  # read, never written
@@ -180,6 +187,7 @@ def test_raw_trainer_resumes_from_an_explicit_checkpoint(base_args, finished_run
     assert len(resumed["losses"]) == state["global_step"] // 2  # only the third epoch ran
 
 
+# /feature:raw
 @pytest.mark.slow
 def test_explicit_checkpoint_of_another_network_is_one_line(base_args, finished_runs) -> None:
     last = finished_runs("lightning") / "checkpoints/last.ckpt"  # read, never written

@@ -10,7 +10,6 @@ from hydra.utils import instantiate
 
 from project.engine.launch import ddp
 from project.engine.lightning.build import instantiate_all
-from project.engine.lightning.tracking import MLflowRun
 from tests.helpers import CONFIG_DIR, options
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
@@ -56,7 +55,12 @@ def test_model_options(compose_train, option: str, optimizer: str, scheduler: st
         assert model(tokens).shape == (4, 8, cfg.model.net.vocab_size)
     else:
         assert model(torch.rand(4, 64)).shape == (4, cfg.model.task.num_classes)
-    assert model.configure_optimizers() is not None
+    built = model.configure_optimizers()
+    optimizer = built["optimizer"] if isinstance(built, dict) else built
+    assert type(optimizer).__name__ == cfg.model.optimizer._target_.rsplit(".", 1)[1]
+    assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
+    if cfg.model.get("scheduler"):
+        assert built["lr_scheduler"]["interval"] == cfg.model.scheduler.interval
 
 
 @pytest.mark.parametrize("option", options("trainer"))
@@ -89,8 +93,10 @@ def test_callbacks_options(compose_train, option: str) -> None:
 def test_logger_options(compose_train, option: str, tmp_path: Path) -> None:
     cfg = compose_train([f"logger={option}", f"paths.log_dir={tmp_path / 'logs'}"])
     loggers = instantiate_all(cfg.logger)
+    assert len(loggers) == len([lg for lg in (cfg.logger or {}).values() if lg])
+    assert (option == "none") == (not loggers)
     for lg in loggers:  # every logger writes into the run folder (MLflow: a store beside)
-        if isinstance(lg, MLflowRun):
+        if hasattr(lg, "run_dir"):  # MLflow: a tracked run per run folder, the store beside
             assert lg.run_dir == cfg.paths.output_dir and str(tmp_path) in lg._tracking_uri
         else:
             assert Path(lg.save_dir) == Path(cfg.paths.output_dir)
@@ -100,7 +106,7 @@ def test_logger_options(compose_train, option: str, tmp_path: Path) -> None:
 def test_experiment_and_debug_options(compose_train, option: str) -> None:
     group = "experiment" if (CONFIG_DIR / "experiment" / f"{option}.yaml").exists() else "debug"
     cfg = compose_train([f"{group}={option}"])
-    assert instantiate(cfg.model) is not None
+    assert sum(p.numel() for p in instantiate(cfg.model).parameters()) > 0
     ddp.resolve_topology(cfg.trainer)
     instantiate(cfg.trainer, logger=False)
 
@@ -108,3 +114,24 @@ def test_experiment_and_debug_options(compose_train, option: str) -> None:
 def test_eval_config_composes(compose_train) -> None:
     cfg = compose_train(["ckpt_path=/x.ckpt"], config_name="eval")
     assert cfg.ckpt_path == "/x.ckpt" and cfg.logger == {}
+
+
+@pytest.mark.parametrize("flag", ["enable_progress_bar", "enable_model_summary"])
+def test_the_trainer_flags_alone_switch_their_callback_off(compose_train, flag: str) -> None:
+    """`trainer.enable_progress_bar=false` just works: the progress bar callback is left out
+    (Lightning refuses the flag beside a progress bar callback); the same for the summary."""
+    import lightning.pytorch as pl
+
+    from project.engine.checkpoints.resume import Resume
+    from project.engine.lightning.build import callbacks
+    from project.engine.run.skeleton import Run
+
+    kind = {"enable_progress_bar": pl.callbacks.ProgressBar,
+            "enable_model_summary": pl.callbacks.ModelSummary}[flag]  # fmt: skip
+    for value in (True, False):
+        cfg = compose_train([f"trainer.{flag}={value}"])
+        topology = ddp.resolve_topology(cfg.trainer)
+        run = Run(cfg, Path(cfg.paths.output_dir), topology, Resume(), None)
+        found = callbacks(run, loggers=[])
+        assert any(isinstance(c, kind) for c in found) == value
+        instantiate(cfg.trainer, callbacks=found, logger=False)  # Lightning accepts it

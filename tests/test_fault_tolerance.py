@@ -16,6 +16,7 @@ import torch
 
 from project.engine.launch.exits import EXIT_PREEMPTED
 from project.engine.launch.signals import STOP_SIGNALS
+from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
     CHARLM,
     ROOT,
@@ -60,18 +61,17 @@ CHARLM = [*CHARLM[:1], "trainer.max_epochs=4", "trainer.limit_train_batches=20",
           "test=false", "callbacks.early_stopping=null"]  # fmt: skip
 
 
-BOTH = ("project.train", "project.raw_train")
+BOTH = tuple(TRAINERS.values())  # every trainer's module
 
 
 @pytest.mark.parametrize(
     "modules, accumulate, task",
     [
-        pytest.param(("project.train",), 1, "digits", marks=pytest.mark.quick),
-        (("project.raw_train",), 1, "digits"),
-        (BOTH, 1, "charlm"),
-        pytest.param(BOTH, 4, "digits", marks=pytest.mark.slow),
+        pytest.param(("project.train",), 1, "digits", marks=pytest.mark.quick, id="train-digits"),
+        pytest.param(("project.raw_train",), 1, "digits", id="raw-digits"),  # feature:raw
+        pytest.param(BOTH, 1, "charlm", id="both-charlm"),
+        pytest.param(BOTH, 4, "digits", marks=pytest.mark.slow, id="both-digits-accumulate4"),
     ],
-    ids=["train-digits", "raw-digits", "both-charlm", "both-digits-accumulate4"],
 )
 def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
     base_args, log_dir, modules, accumulate, task
@@ -122,7 +122,7 @@ def test_torchrun_restart_after_sigkill_matches_uninterrupted(base_args, log_dir
     args, runs = [*base_args, *ARGS], log_dir / "train/runs"
     code, out = torchrun(args, run_id="whole")
     assert code == 0, out[-3000:]
-    for trainer in ("lightning", "raw"):
+    for trainer in TRAINERS:
         before = set(runs.iterdir())
         code, out = torchrun([*args, "fault_injection.at_step=25", "fault_injection.rank=1"],
                              MAX_RESTARTS="1", TRAINER=trainer)  # fmt: skip

@@ -15,10 +15,11 @@ import pytest
 
 from project.engine.launch import exits
 from project.engine.launch.signals import STOP_SIGNALS
+from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
     ROOT,
     SHORT_LOGGED,
-    assert_same_training,
+    assert_same_training,  # feature:raw
     finish,
     free_port,
     start,
@@ -87,7 +88,8 @@ def test_two_nodes_static_rendezvous(base_args, log_dir, tmp_path) -> None:
     """Both trainers on two "nodes" of one process each: one run folder, bitwise the same
     losses."""
     args = [*base_args, "trainer.max_epochs=2", "step_stats=true"]
-    for trainer, extra in (("lightning", []), ("raw", [f"hydra.run.dir={tmp_path / 'raw'}"])):
+    for trainer in TRAINERS:
+        extra = [f"hydra.run.dir={tmp_path / trainer}"] if trainer != "lightning" else []
         port = str(free_port())
         out0, out1 = two_nodes(
             {"NODE_RANK": "0", "MASTER_PORT": port, "TRAINER": trainer},
@@ -98,7 +100,10 @@ def test_two_nodes_static_rendezvous(base_args, log_dir, tmp_path) -> None:
         if trainer == "lightning":
             assert world_size_reported(out0 + out1) == 2 and "launcher: torchrun" in out0 + out1
     (lightning,) = runs(log_dir)  # both nodes agreed on one run folder
+    assert (lightning / "step_stats.json").is_file()
+    # feature:raw
     assert_same_training(lightning, tmp_path / "raw")
+    # /feature:raw
 
 
 def test_two_nodes_c10d_rendezvous(base_args, log_dir) -> None:
@@ -168,9 +173,9 @@ def test_multirun_two_jobs_two_devices(base_args, log_dir) -> None:
 def test_scripts_parse_and_pass_shellcheck() -> None:
     scripts = [
         *(ROOT / "launch").glob("*.sh"),
-        ROOT / "launch" / "slurm.sbatch",
         ROOT / ".ci" / "run",
-        ROOT / "tests" / "slurm_cluster.sh",
+        ROOT / "launch" / "slurm.sbatch",  # feature:slurm
+        ROOT / "tests" / "slurm_cluster.sh",  # feature:slurm
     ]
     for script in scripts:
         subprocess.run(["bash", "-n", str(script)], check=True)
@@ -204,13 +209,17 @@ def test_printed_torchrun_commands() -> None:
         "--node-rank=1 --master-addr=10.0.0.1 --master-port=1234 -m project.train x=1"
     )
     out = dry_run("multinode.sh", NNODES="1:4", NPROC_PER_NODE="2", RDZV_ENDPOINT="localhost:29400",
-                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", TRAINER="raw", RDZV_TIMEOUT="60",
+                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", RDZV_TIMEOUT="60",
                   PYTHON=py)  # fmt: skip
     assert out.splitlines()[-1] == (
         f"+ {py} -m project.launcher --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
         "--rdzv-conf=join_timeout=60\\,timeout=60 --rdzv-backend=c10d "
-        "--rdzv-endpoint=localhost:29400 --rdzv-id=job7 --local-addr=10.0.0.5 -m project.raw_train"
+        "--rdzv-endpoint=localhost:29400 --rdzv-id=job7 --local-addr=10.0.0.5 -m project.train"
     )
+    # feature:raw
+    out = dry_run("multinode.sh", TRAINER="raw", PYTHON=py)
+    assert out.splitlines()[-1].endswith(" -m project.raw_train")
+    # /feature:raw
 
 
 def test_master_port_follows_the_job() -> None:
@@ -330,4 +339,4 @@ def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
 
 def test_unknown_trainer_switch() -> None:
     code, out = finish(start([str(ROOT / "launch" / "single_node.sh")], TRAINER="jax"), 30)
-    assert code == 2 and "error: TRAINER=jax is not one of: lightning, raw, doctor" in out
+    assert code == 2 and "error: TRAINER=jax is not one of the trainers" in out

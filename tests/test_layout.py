@@ -1,16 +1,16 @@
-"""The layout promises: your code apart from the machinery, no import loops, light modules."""
+"""The layout promises: your code apart from the machinery, no import loops, light modules,
+small folders, private APIs touched in one place, test files that import no other test file."""
 
 from __future__ import annotations
 
 import ast
 import inspect
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import QUIET, ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -66,21 +66,31 @@ def test_your_code_does_not_depend_on_the_machinery() -> None:
             assert machinery <= {"project.engine", "project.engine.errors"}, (module, machinery)
 
 
+# What entry points import before Hydra has composed: torch and Lightning stay out of it.
+LIGHT = [
+    "project.engine.launch.env", "project.engine.config.compose", "project.engine.run.console",
+    "project.engine.run.cli", "project.engine.run.skeleton", "project.engine.launch.exits",
+    "project.engine.launch.torchrun", "project.engine.private_api", "project.launcher",
+    "project.train",
+    "project.raw_train",  # feature:raw
+]  # fmt: skip
+
+
 def test_launcher_environment_is_read_without_torch() -> None:
     code = (
-        "import sys, project.engine.launch.env, project.engine.config.compose, "
-        "project.engine.run.console, project.engine.run.cli, project.engine.run.skeleton, "
-        "project.engine.launch.exits, project.engine.launch.torchrun, project.engine.private_api, "
-        "project.launcher, project.train, project.raw_train; "
+        f"import sys, {', '.join(LIGHT)}; "
         "print(sorted(m for m in sys.modules if m.startswith(('torch', 'lightning'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
+# feature:raw
 def test_the_raw_trainer_never_imports_lightning(data_dir, tmp_path) -> None:
     """A whole raw run (checks, data, loop, test) without Lightning: importing it would add
     seconds to every start of a trainer that does not use it."""
+    from tests.helpers import QUIET, child_env
+
     code = (
         "import atexit, sys; from project.raw_train import main; "
         "atexit.register(lambda: print('LOADED', sorted(m for m in sys.modules "
@@ -89,14 +99,52 @@ def test_the_raw_trainer_never_imports_lightning(data_dir, tmp_path) -> None:
     args = [f"paths.data_dir={data_dir}", f"hydra.run.dir={tmp_path}", "trainer.max_epochs=1",
             "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", *QUIET]  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)  # fmt: skip
+                         env=child_env(), timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "LOADED []" in out.stdout, out.stdout[-500:]
 
 
+# /feature:raw
 def test_ddp_options_read_from_source_match_the_imported_signature() -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     from project.engine.launch.ddp import _ddp_strategy_arguments
 
     assert _ddp_strategy_arguments() == set(inspect.signature(DDPStrategy.__init__).parameters)
+
+
+def test_no_folder_holds_more_than_eight_modules() -> None:
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 8, f"{folder.relative_to(ROOT)}: {len(modules)} modules"
+
+
+def test_private_apis_are_touched_in_one_module() -> None:
+    """Names listed in project.engine.private_api.USED appear nowhere else in src/ (but the
+    MLflow logger subclass, which reads its parent's state, and the start-up benchmark)."""
+    from project.engine.private_api import USED
+
+    elsewhere = {
+        "_run_sanity_check": {"bench/startup.py"},
+        "_run_id": {"engine/lightning/tracking.py"},
+        "_initialized": {"engine/lightning/tracking.py"},
+        "_mlflow_client": {"engine/lightning/tracking.py"},
+    }
+    import re
+
+    for _, dotted in USED:
+        name = next(part for part in dotted.split(".") if part.startswith("_"))
+        used = re.compile(rf"\.{name}\b|\bimport\b.*\b{name}\b|^\s+{name},?$", re.M)
+        for path in PACKAGE.rglob("*.py"):
+            rel = str(path.relative_to(PACKAGE))
+            if rel == "engine/private_api.py" or rel in elsewhere.get(name, ()):
+                continue
+            assert not used.search(path.read_text()), f"{rel} uses {name}: go through private_api"
+
+
+def test_test_files_import_no_other_test_file() -> None:
+    """Shared helpers live in tests/helpers.py (fixtures in conftest.py)."""
+    for path in (ROOT / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                assert node.module in ("tests.helpers", "tests.user_data"), (path.name, node.module)

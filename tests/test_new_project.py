@@ -158,13 +158,13 @@ GUIDE = re.compile(r"^```(?:python|yaml) (\S+)\n(.*?)^```$", re.M | re.S)
 
 @pytest.mark.slow
 def test_the_add_your_own_guide_followed_literally(tmp_path_factory) -> None:
-    """README's worked example, block by block, in a fresh generated project: a regression
-    task trains with both trainers on 1 and 2 processes with bitwise equal losses."""
+    """docs/extending.md's worked example, block by block, in a fresh generated project: a
+    regression task trains with both trainers on 1 and 2 processes with bitwise equal losses."""
     project = tmp_path_factory.mktemp("guide") / "reg"
     proc = new_project(str(project), "--package", "mynet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    readme = (project / "README.md").read_text()
-    section = readme.split("### Worked example")[1].split("\n## ")[0]
+    guide = (project / "docs" / "extending.md").read_text()
+    section = guide.split("### Worked example")[1].split("\n## ")[0]
     blocks = GUIDE.findall(section)
     assert len(blocks) == 5, [path for path, _ in blocks]  # 2 Python files + 3 configs
     for path, text in blocks:
@@ -195,6 +195,53 @@ def test_the_add_your_own_guide_followed_literally(tmp_path_factory) -> None:
             assert "test/r2" in json.loads((run_dir / "metrics.json").read_text())
         assert len(losses["mynet.train", nproc]) >= 20
         assert losses["mynet.train", nproc] == losses["mynet.raw_train", nproc]  # bitwise
+
+
+EVERY_FEATURE = "slurm,k8s,sweeps,tracking,doctor,raw"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # runs a test tier of its own
+def test_a_project_without_every_optional_feature_trains_and_passes_its_quick_tier(
+    tmp_path_factory,
+) -> None:
+    """--without everything: the features' files, config options, extras, docs pages, README
+    rows and tests are gone, what is left is lint-clean, trains, and passes its own quick tier
+    (which checks its docs' links and paths)."""
+    project = tmp_path_factory.mktemp("lean") / "lean"
+    proc = new_project(str(project), "--package", "lean", "--without", EVERY_FEATURE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gone = [
+        "launch/slurm.sbatch", "launch/k8s", "configs/hparams_search", "configs/logger/mlflow.yaml",
+        "src/lean/doctor", "src/lean/raw_train.py", "src/lean/engine/raw", "src/hydra_plugins",
+        "src/lean/engine/cluster", "tests/test_raw_parity.py", "docs/doctor.md", "docs/sweeps.md",
+    ]  # fmt: skip
+    assert [g for g in gone if (project / g).exists()] == []
+    suffixes = (".py", ".toml", ".md", ".yaml", ".sh")
+    text = "\n".join(p.read_text() for p in project.rglob("*") if p.suffix in suffixes)
+    for word in ("feature:", "optuna>=", "mlflow-skinny", "submitit>=", "docs/doctor.md"):
+        assert word not in text, word
+    readme = (project / "README.md").read_text()
+    assert "docs/fault-tolerance.md" in readme and "docs/sweeps.md" not in readme
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=project,
+                          capture_output=True, text=True)  # fmt: skip
+    fmt = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "."], cwd=project,
+                         capture_output=True, text=True)  # fmt: skip
+    assert lint.returncode == 0 and fmt.returncode == 0, lint.stdout[-2000:] + fmt.stdout[-2000:]
+    trained = run_in(
+        project, ["train.py", "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
+    )
+    assert trained.returncode == 0 and "test/acc" in trained.stdout, trained.stderr[-2000:]
+    suite = run_in(project, ["-m", "pytest", "-q", "-m", "quick", "-p", "no:cacheprovider"],
+                   timeout=800)  # fmt: skip
+    assert suite.returncode == 0, suite.stdout[-4000:]
+    assert re.search(r"(\d+) passed", suite.stdout), suite.stdout[-2000:]
+
+
+def test_an_unknown_feature_is_refused(tmp_path: Path) -> None:
+    dest = tmp_path / "new"
+    assert_refused(new_project(str(dest), "--package", "mynet", "--without", "raw,gpu"), "gpu")
+    assert not dest.exists()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("copier") is None, reason="copier is not installed")

@@ -43,7 +43,7 @@ def all_option_overrides() -> list[list[str]]:
 @pytest.mark.quick
 def test_every_config_key_is_classified_by_the_raw_trainer(compose_train) -> None:
     """A key that changes Lightning's training but that the raw trainer ignores fails here:
-    add it to project.raw_train.CONSUMED (and implement it) or PRESENTATION/REFUSED."""
+    add it to project.engine.raw.keys.CONSUMED (and implement it) or PRESENTATION/REFUSED."""
     unknown = set()
     for overrides in all_option_overrides():
         cfg = compose_train(overrides)

@@ -26,10 +26,12 @@ FILES = {"train": ["train.yaml"], "trainer": ["trainer/*.yaml"], "data": ["data/
          "trainer.max_epochs='abc': expected an integer or null (>= -1)"),
         ("train.py", "data.batch_size=0", "data.batch_size=0: expected an integer or null (>= 1)"),
         ("train.py", "trainer.precision=15", "trainer.precision=15: expected one of '"),
+        # feature:raw
         ("-m project.raw_train", "model.optimizer.lr=0",
          "model.optimizer.lr=0: expected a number or null (> 0)"),
         ("-m project.compare", "trainer.limit_val_batches=-2",
          "trainer.limit_val_batches=-2: expected an integer or a number or null (>= 0)"),
+        # /feature:raw
     ],
 )  # fmt: skip
 def test_a_wrong_type_or_range_is_one_line(base_args, script, override, line) -> None:

@@ -119,6 +119,7 @@ def test_two_jobs_side_by_side_and_a_signal_to_every_task(slurm, data_dir, tmp_p
     assert "2 process(es) per node x 1 node(s), launcher: torchrun, 1 thread(s)" in second
 
 
+# feature:doctor
 def test_doctor_under_srun(slurm, tmp_path) -> None:
     """One task per node, ranks from SLURM's variables, rendezvous at node 0's NodeAddr."""
     cmd = ["srun", "--nodes=2", "--ntasks=2", sys.executable, "-m", "project.doctor",
@@ -129,6 +130,7 @@ def test_doctor_under_srun(slurm, tmp_path) -> None:
     assert "2 rank(s) on 2 node(s)" in proc.stdout and "all checks passed" in proc.stdout
 
 
+# /feature:doctor
 def submitted_jobs(sweep_dir: Path) -> list[str]:
     """The SLURM job ids submitit used for this sweep (its folders hold their pickles)."""
     return [p.parent.name for p in (sweep_dir / ".submitit").glob("*/*_submitted.pkl")]

@@ -67,3 +67,26 @@ def test_wandb_offline_run_in_the_run_folder(base_args, log_dir) -> None:
     assert code == 0, out[-3000:]
     runs = list((log_dir / "train" / "runs" / "wb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
+
+
+def test_a_run_folder_made_again_gets_a_new_mlflow_run(tmp_path) -> None:
+    """An attempt in the same run folder logs into the run its first attempt made; the same
+    path deleted and made again (a new training, nothing to resume) starts a new run."""
+    import shutil
+
+    from project.engine.lightning.tracking import MLflowRun
+
+    uri, run_dir = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "run"
+
+    def attempt() -> str:
+        logger = MLflowRun(str(run_dir), uri, experiment_name="train")
+        logger.log_metrics({"x": 1.0}, step=0)
+        return logger.run_id
+
+    first = attempt()
+    assert attempt() == first  # a resumed attempt: the same MLflow run
+    shutil.rmtree(run_dir)
+    again = attempt()
+    assert again != first
+    _, runs = mlflow_runs(tmp_path / "mlflow.db")
+    assert sorted(r.info.run_id for r in runs) == sorted([first, again])

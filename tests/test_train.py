@@ -49,7 +49,9 @@ def test_run_folder_layout(default_run: dict) -> None:
 
 
 def test_checkpoints_load_with_weights_only(default_run: dict) -> None:
-    for ckpt in (default_run["run_dir"] / "checkpoints").glob("*.ckpt"):
+    ckpts = sorted((default_run["run_dir"] / "checkpoints").glob("*.ckpt"))
+    assert len(ckpts) >= 2  # last.ckpt and the best one
+    for ckpt in ckpts:
         loaded = torch.load(ckpt, map_location="cpu", weights_only=True)
         assert loaded["hyper_parameters"]["net"]["_target_"] == "project.models.mlp.MLP"
 

@@ -18,13 +18,14 @@ USED = (
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor"),
     ("lightning.pytorch.core.module", "LightningModule._current_fx_name"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.kill"),
-    ("lightning.pytorch.trainer.trainer", "Trainer._run_sanity_check"),  # bench/startup.py
+    ("lightning.pytorch.trainer.trainer", "Trainer._run_sanity_check"),  # feature:raw
+    # feature:tracking
     ("lightning.fabric.utilities.logger", "_convert_params"),
     ("lightning.fabric.utilities.logger", "_flatten_dict"),
     ("lightning.pytorch.loggers.mlflow", "MLFlowLogger._run_id"),
     ("lightning.pytorch.loggers.mlflow", "MLFlowLogger._initialized"),
     ("lightning.pytorch.loggers.mlflow", "MLFlowLogger._mlflow_client"),
-    ("lightning.pytorch.loggers.mlflow", "MLFlowLogger._experiment_name"),
+    # /feature:tracking
     (
         "torch.distributed.elastic.agent.server.local_elastic_agent",
         "LocalElasticAgent._monitor_workers",
@@ -68,6 +69,7 @@ def kill_launched_ranks(trainer: Any, signum: int) -> None:
         launcher.kill(signum)
 
 
+# feature:tracking
 def flat_params(params: Any) -> dict[str, Any]:
     """Hyperparameters as the flat {dotted key: value} dict Lightning's loggers log."""
     from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
@@ -75,6 +77,7 @@ def flat_params(params: Any) -> dict[str, Any]:
     return _flatten_dict(_convert_params(params))
 
 
+# /feature:tracking
 def restart_only_crashes(agent_cls: Any, no_restart: Collection[int]) -> None:
     """Make torchrun's agent give up instead of restarting a group whose failure was one of
     `no_restart` (bad input, a coordinated stop): `--max-restarts` is for crashes. The agent

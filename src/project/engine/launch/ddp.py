@@ -92,7 +92,7 @@ def configure_threads(topology: Topology, env: MutableMapping[str, str] = os.env
     """Give each rank cpus/processes-per-node threads unless OMP_NUM_THREADS is set.
 
     torchrun sets OMP_NUM_THREADS=1 only with several processes per node; oversubscribed
-    threads made 2-process DDP 4x slower here and changed losses at 1e-7.
+    threads make DDP several times slower and change losses in the last bits.
     """
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, topology.devices)))

@@ -15,9 +15,9 @@ check, so that a stop (the windows until the next check plus one save) fits in `
 the grace time between the scheduler's signal and its SIGKILL (torchrun: 30 s).
 Both trainers make their stop/save decisions here, so they cannot differ.
 
-Lightning 2.6 instead broadcasts a flag from rank 0 before every training step and calls
-`.item()` on it (a CPU-GPU sync on GPU): ~1.3x slower steps on a small model (Lightning
-issue #21487).
+Lightning instead broadcasts a flag from rank 0 before every training step and calls
+`.item()` on it (a CPU-GPU sync on GPU), which slows a small model's steps noticeably
+(docs/performance.md; Lightning issue #21487).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ import sys
 from collections.abc import Sequence
 
 # The two trainers' entry modules (`python -m <module>`), by the names the tools use.
-TRAINERS = {"lightning": "project.train", "raw": "project.raw_train"}
+TRAINERS = {
+    "lightning": "project.train",
+    "raw": "project.raw_train",  # feature:raw
+}
 
 log = logging.getLogger("project.engine.launch.torchrun")
 

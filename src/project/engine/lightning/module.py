@@ -14,12 +14,13 @@ import lightning.pytorch as pl
 import torch
 
 from project.engine.config.compose import to_plain
+from project.engine.private_api import DirectHookName
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.tasks.task import STAGES, build_task
 
 
-class TaskModule(pl.LightningModule):
+class TaskModule(DirectHookName, pl.LightningModule):
     """Lightning's hooks around `task.step`; metrics logged as `<stage>/<name>` per epoch."""
 
     def __init__(
@@ -44,17 +45,8 @@ class TaskModule(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.task(x)
 
-    # Cuts in Lightning's per-step hook machinery, same results (with the datamodule's
-    # transfer_batch_to_device; README: Performance).
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Lightning sets `_current_fx_name` before and after every hook it calls, dozens of
-        # times a step; nn.Module's __setattr__ first looks for a parameter, buffer or
-        # submodule of that name, which a hook's name never is.
-        if name == "_current_fx_name":
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
+    # Cuts in Lightning's per-step hook machinery, same results (DirectHookName, this hook and
+    # the datamodule's transfer_batch_to_device; docs/performance.md has what they save).
     def configure_gradient_clipping(
         self,
         optimizer: torch.optim.Optimizer,
@@ -82,8 +74,8 @@ class TaskModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._step(batch, "train")
         # The per-step loss is this rank's own (no collective per step; epoch values are
-        # synced). Only on the steps the logger writes: in Lightning 2.6 each self.log call
-        # costs ~1 ms on CPU (it re-walks its result object), more than a small model's step.
+        # synced). Only on the steps the logger writes: each self.log call re-walks Lightning's
+        # result object, which costs more than a small model's step (docs/performance.md).
         every = self.trainer.log_every_n_steps
         if self.trainer.fast_dev_run or (every and (self.global_step + 1) % every == 0):
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)

@@ -2,10 +2,11 @@
 
 Lightning's MLFlowLogger starts a new MLflow run at every start of the script, so a run that
 resumes (a torchrun restart, a requeued SLURM job, the same RUN_ID again) would be split over
-several MLflow runs. Here the MLflow run is found again by the run folder it belongs to (tag
-`run_dir`), and every attempt logs into it. Lightning calls loggers on rank 0 only, so under
-DDP there is one writer. A tracking server that does not answer stops the run at start-up
-with one line instead of minutes of HTTP retries.
+several MLflow runs. Here the run folder keeps the id of its MLflow run (`mlflow_run_id`), and
+every attempt logs into that run; a new run folder (or one deleted and made again) gets a new
+MLflow run. Lightning calls loggers on rank 0 only, so under DDP there is one writer. A
+tracking server that does not answer stops the run at start-up with one line instead of
+minutes of HTTP retries.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from project.engine.errors import UserError
+from project.engine.private_api import flat_params
 
 log = logging.getLogger(__name__)
 
-RUN_DIR_TAG = "run_dir"
+RUN_DIR_TAG = "run_dir"  # shown in the MLflow UI: which run folder a tracked run belongs to
+RUN_ID_FILE = "mlflow_run_id"  # in the run folder: the MLflow run its attempts log into
 SQLITE = "sqlite:///"
 NO_STORE = "http://rank-zero-only.invalid"  # never contacted: its client is never used
 
@@ -66,26 +68,33 @@ class MLflowRun(MLFlowLogger):
 
     @property
     def experiment(self) -> Any:
-        if rank_zero_only.rank == 0 and not self._initialized and self._run_id is None:
+        first_use = rank_zero_only.rank == 0 and not self._initialized
+        if first_use and self._run_id is None:
             self._run_id = self.earlier_run_id()
-        return super().experiment
+        experiment = super().experiment
+        if first_use:  # the run folder remembers its MLflow run for the next attempt
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.run_dir) / RUN_ID_FILE).write_text(self._run_id)
+        return experiment
 
     def earlier_run_id(self) -> str | None:
-        """The MLflow run an earlier attempt of this run folder made, if any."""
-        found = self._mlflow_client.get_experiment_by_name(self._experiment_name)
-        if found is None:
+        """The MLflow run an earlier attempt in this run folder made: its id is kept in the
+        folder, so a folder deleted and made again (same path, a new training) starts a new
+        MLflow run instead of appending to the old one."""
+        kept = Path(self.run_dir) / RUN_ID_FILE
+        if not kept.is_file():
             return None
-        quoted = self.run_dir.replace("'", "\\'")
-        runs = self._mlflow_client.search_runs(
-            [found.experiment_id], filter_string=f"tags.{RUN_DIR_TAG} = '{quoted}'", max_results=1
-        )
-        return runs[0].info.run_id if runs else None
+        try:
+            return self._mlflow_client.get_run(kept.read_text().strip()).info.run_id
+        except Exception:  # that run is gone from the store (a new store, a deleted run)
+            log.warning(f"MLflow run {kept.read_text().strip()} of {kept} is gone: a new run")
+            return None
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
         """Into an earlier attempt's run: only keys it lacks (MLflow parameters cannot change;
         a key whose value differs now keeps the first attempt's value, and says so)."""
-        flat = _flatten_dict(_convert_params(params))
+        flat = flat_params(params)
         earlier = self.experiment.get_run(self.run_id).data.params
         changed = sorted(k for k, v in flat.items() if k in earlier and earlier[k] != str(v)[:250])
         if changed:

@@ -440,7 +440,7 @@ class RawTrainer:
         if self.writer is not None:
             self.writer.close()
         if dist.is_initialized():
-            # Tear down in this order, or gloo can deadlock (seen here, torch 2.13): the last
+            # Tear down in this order, or gloo can deadlock: the last
             # reference to the process group must not be dropped by the DDP Reducer (its
             # destructor joins gloo's worker thread while holding the GIL, and that thread may
             # still need the GIL to free the tensors of a finished collective). So: drop DDP

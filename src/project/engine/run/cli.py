@@ -71,9 +71,13 @@ def run_cli(hydra_main: Callable[[], Any]) -> None:
 def run_task(task: Callable[[], dict[str, float]]) -> dict[str, float]:
     """The task inside `@hydra.main`: bad input -> one line, exit 2. In a SLURM sweep job
     (submitit) errors travel back to the sweep as exceptions instead: no SystemExit there."""
+    # feature:slurm
     from project.engine.cluster import slurm_job
 
-    return task() if slurm_job.active() else report_user_errors(task)
+    if slurm_job.active():
+        return task()
+    # /feature:slurm
+    return report_user_errors(task)
 
 
 def optimized_value(cfg: DictConfig, metrics: dict[str, float]) -> float | None:

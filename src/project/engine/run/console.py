@@ -23,7 +23,7 @@ class RankZeroFilter(logging.Filter):
 
 
 class DropAdverts(logging.Filter):
-    """Lightning 2.6 advertises its cloud products ("Tip: ... litlogger") on every run."""
+    """Lightning advertises its cloud products ("Tip: ... litlogger") on every run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Tip: For seamless cloud" not in str(record.msg)

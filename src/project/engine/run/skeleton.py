@@ -72,18 +72,21 @@ def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[st
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from project.engine.cluster import slurm_job
     from project.engine.launch import ddp
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
+    # feature:slurm
+    from project.engine.cluster import slurm_job
+
     if sweep_job and slurm_job.active():  # hydra/launcher=submitit_slurm
         check_targets(cfg, skip=trainer.skip_targets)
         slurm_job.run_on_every_node(
             list(hydra_cfg.overrides.task), str(output_dir), cfg.trainer, trainer.name
         )
         return read_metrics(output_dir)
+    # /feature:slurm
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
     found = preflight(cfg, output_dir, topology, trainer)
     if isinstance(found, dict):

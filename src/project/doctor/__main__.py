@@ -1,0 +1,5 @@
+"""`python -m project.doctor`."""
+
+from project.doctor import main
+
+main()

@@ -1,0 +1,142 @@
+"""The pure rules behind the end-to-end guarantees, in milliseconds: the stop budget, the raw
+trainer's early stopping, what a checkpoint may be resumed by, which weights are tested."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from project.engine.checkpoints.resume import Resume, check_resumable, training_identity
+from project.engine.errors import UserError
+from project.engine.launch.signals import StopSignal
+from project.engine.run.skeleton import Run, checkpoint_to_test
+from tests.helpers import CONFIG_DIR
+
+pytestmark = pytest.mark.quick  # the fast tier: `make test`
+
+
+# --- the stop budget (project.engine.launch.signals) ----------------------------------------
+def test_check_interval_shrinks_to_fit_the_budget() -> None:
+    stop = StopSignal(every_n_steps=10, budget_s=25.0)
+    stop._adapt(window_s=0.1, save_s=1.0)  # 10 windows + a save fit easily
+    assert stop.interval == 10
+    stop._adapt(window_s=4.0, save_s=5.0)  # (25 - 5) / 4 = 5 windows
+    assert stop.interval == 5
+    stop._adapt(window_s=30.0, save_s=5.0)  # not even one fits: check every window
+    assert stop.interval == 1
+
+
+def test_no_budget_keeps_the_interval() -> None:
+    stop = StopSignal(every_n_steps=7, budget_s=None)
+    stop._adapt(window_s=100.0, save_s=100.0)
+    assert stop.interval == 7
+
+
+def test_cadences_come_from_the_fault_tolerance_config() -> None:
+    ft = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "callbacks" / "fault_tolerance.yaml"))
+    stop = StopSignal.from_config(ft["fault_tolerance"])
+    yaml = ft["fault_tolerance"]
+    assert (stop.every_n_steps, stop.budget_s) == (
+        yaml["check_every_n_steps"],
+        yaml["stop_budget_s"],
+    )
+    assert stop.save_every_n_seconds == yaml["every_n_seconds"]
+    with pytest.raises(UserError, match=r"callbacks\.fault_tolerance\.check_every_n_step "):
+        StopSignal.from_config({"check_every_n_step": 3})
+
+
+# feature:raw
+# --- the raw trainer's early stopping (Lightning's rule) ------------------------------------
+def early_stopping(patience: int, min_delta: float = 0.0, mode: str = "min"):
+    from project.engine.raw.trainer import EarlyStopping
+
+    cfg = OmegaConf.create({"monitor": "val/loss", "mode": mode, "patience": patience,
+                            "min_delta": min_delta})  # fmt: skip
+    return EarlyStopping(cfg)
+
+
+def test_early_stopping_waits_patience_checks_without_improvement() -> None:
+    stopper = early_stopping(patience=2)
+    losses = [1.0, 0.9, 0.95, 0.92]  # improves, then two checks without improvement
+    assert [stopper.should_stop({"val/loss": v}) for v in losses] == [False, False, False, True]
+
+
+def test_early_stopping_needs_min_delta_and_follows_mode() -> None:
+    stopper = early_stopping(patience=1, min_delta=0.1)
+    assert not stopper.should_stop({"val/loss": 1.0})
+    assert stopper.should_stop({"val/loss": 0.95})  # better, but by less than min_delta
+    rising = early_stopping(patience=1, mode="max")
+    assert not rising.should_stop({"val/acc": 0.5})  # another metric: never stops
+    assert [rising.should_stop({"val/loss": v}) for v in (0.5, 0.6, 0.6)] == [False, False, True]
+
+
+# /feature:raw
+# --- what a checkpoint may be resumed by (project.engine.checkpoints.resume) ----------------
+CFG = {"seed": 42, "model": {"net": {"hidden": 64}, "compile": False},
+       "data": {"batch_size": 32, "num_workers": 0, "dataset": {"data_dir": "/a"}}}  # fmt: skip
+
+
+def with_(**changes: object) -> dict:
+    cfg = OmegaConf.create(CFG)
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value)
+    return OmegaConf.to_container(cfg)
+
+
+def test_identity_leaves_out_where_and_how_data_is_loaded() -> None:
+    identity = training_identity(CFG)
+    assert identity["model.net.hidden"] == 64 and identity["data.batch_size"] == 32
+    assert "data.num_workers" not in identity and "data.dataset.data_dir" not in identity
+    assert "model.compile" not in identity
+    moved = with_(data__dataset__data_dir="/b", data__num_workers=4)
+    assert training_identity(moved) == identity
+
+
+def test_auto_resume_refuses_another_training_and_names_the_keys() -> None:
+    ckpt = {"project": {"identity": training_identity(CFG)}}
+    check_resumable("last.ckpt", ckpt, CFG, explicit=False)  # the same training: fine
+    with pytest.raises(UserError, match=r"seed: 42 there, 7 now"):
+        check_resumable("last.ckpt", ckpt, with_(seed=7), explicit=False)
+
+
+def test_an_explicit_checkpoint_may_change_all_but_the_network() -> None:
+    ckpt = {"project": {"identity": training_identity(CFG)}}
+    check_resumable("x.ckpt", ckpt, with_(seed=7, data__batch_size=8), explicit=True)
+    with pytest.raises(UserError, match=r"another network \(model.net.hidden: 64 there, 128"):
+        check_resumable("x.ckpt", ckpt, with_(model__net__hidden=128), explicit=True)
+
+
+# --- which weights `test` evaluates, the same rule in both trainers -------------------------
+def run_of(tmp_path: Path, train: bool, test_ckpt: str, resume: Resume) -> Run:
+    cfg = OmegaConf.create({"train": train, "test_ckpt": test_ckpt})
+    last = tmp_path / "last.ckpt"
+    return Run(cfg, tmp_path, topology=None, resume=resume, last=last)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("train", "which", "resume", "expected"),
+    [
+        (True, "best", "fresh", "best"),
+        (True, "last", "fresh", "last"),
+        (True, "current", "fresh", None),
+        (True, "best", "finished", "best"),  # a finished run only tested: its best
+        (True, "current", "finished", "resumed"),  # ... or the weights it finished with
+        (False, "best", "explicit", "resumed"),  # train=false ckpt_path=x: test x itself
+        (False, "current", "none", None),
+    ],
+)
+def test_checkpoint_to_test(tmp_path, train, which, resume, expected) -> None:
+    best, last, resumed = tmp_path / "best.ckpt", tmp_path / "last.ckpt", tmp_path / "r.ckpt"
+    for path in (best, last, resumed):
+        path.write_text("")
+    state = {"fresh": Resume(), "none": Resume(), "finished": Resume(resumed, finished=True),
+             "explicit": Resume(resumed)}[resume]  # fmt: skip
+    chosen = checkpoint_to_test(run_of(tmp_path, train, which, state), best)
+    assert chosen == {"best": best, "last": last, "resumed": resumed, None: None}[expected]
+
+
+def test_a_missing_best_falls_back_to_the_current_weights(tmp_path) -> None:
+    run = run_of(tmp_path, True, "best", Resume())
+    assert checkpoint_to_test(run, tmp_path / "no-best.ckpt") is None
