@@ -46,7 +46,7 @@ eval: $(STAMP)
 
 # test: the fast tier (tests marked quick: configs, bad input, one 2-process DDP run with its
 # parity check, one resume) and a line with its wall time. test-all: every test (what .ci/run
-# runs). test-slow: only the slow end-to-end ones (README: Development).
+# runs). test-slow: only the slow end-to-end ones (docs/development.md).
 test: lint
 	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest -m quick $(PARALLEL) $(PYTEST_ARGS); code=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s wall (the quick tier; make test-all runs every test)"; \

@@ -122,10 +122,11 @@ def rewrite(text: str, rel: str, package: str, name: str, description: str) -> s
         # job, image and volume names in the recipes
         text = re.sub(rf"(?<![\w.])(k8s-)?{OLD}(?=[-:])", lambda m: f"{m[1] or ''}{name}", text)
         text = re.sub(rf"/workspace/{OLD}\b", f"/workspace/{name}", text)
-    if rel == "README.md":
+    if rel.endswith(".md"):
         # What documents the generator itself: the new project no longer contains it.
         text = re.sub(r"<!-- template-only -->.*?<!-- /template-only -->\n*", "", text, flags=re.S)
         text = re.sub(r"^\| `scripts/new_project\.py`.*\n", "", text, flags=re.M)
+    if rel == "README.md":
         first, _, rest = text.partition("\n")
         if first.startswith(f"# {OLD}"):
             origin = "Made from the Lightning + Hydra project starter."
