@@ -78,7 +78,7 @@ def test_strategy_options(compose_train, option: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     cfg = compose_train([f"strategy={option}"])
-    ddp.check_hardware(cfg.strategy, cfg.trainer)
+    ddp.check_options(cfg.strategy, cfg.trainer)
     assert isinstance(ddp.build_strategy(cfg.strategy, ddp.Topology(2, 1, None)), DDPStrategy)
 
 

@@ -105,7 +105,7 @@ def test_multi_process_gets_configured_ddp() -> None:
 )
 def test_hardware_and_option_checks_on_cpu(strategy, trainer, needle: str) -> None:
     with pytest.raises(UserError, match=needle):
-        ddp.check_hardware(strategy_cfg(**strategy), trainer_cfg(**trainer))
+        ddp.check_options(strategy_cfg(**strategy), trainer_cfg(**trainer))
 
 
 def test_threads_default_to_cores_per_process() -> None:

@@ -5,7 +5,10 @@
   explicit value contradicts it (never N silent copies).
 - `build_strategy` gives a single-process run no DDP wrapper at all, and a multi-process run
   the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
-- `peer_failures_reported` turns "another rank is gone" into one line.
+- `check_options` refuses, at start-up, DDP options that cannot work on this hardware or
+  together with the trainer options (before any process group is made).
+- `errors_reported` turns "another rank is gone" and "these parameters got no gradient" into
+  one line each.
 
 Entry points import this after Hydra has composed the config. Lightning is imported only
 where a Lightning object is needed: the raw trainer uses this module without it.
@@ -19,6 +22,7 @@ import importlib.metadata
 import inspect
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from project.engine.errors import UserError
 from project.engine.launch.env import Launcher, detect_launcher
-from project.engine.launch.exits import fail
+from project.engine.launch.exits import EXIT_FAILED, fail
 
 log = logging.getLogger("project.engine.launch.ddp")
 
@@ -112,6 +116,7 @@ def _ddp_option_names() -> set[str]:
     names = _ddp_strategy_arguments() | set(
         inspect.signature(DistributedDataParallel.__init__).parameters
     )
+    names |= {"comm_hook"}  # the template's own (project.engine.lightning.strategy, raw trainer)
     return names - {"self", "kwargs", "module", "process_group", "device_ids", "output_device"}
 
 
@@ -133,8 +138,11 @@ def _ddp_strategy_arguments() -> set[str]:
     return set(inspect.signature(DDPStrategy.__init__).parameters)
 
 
-def check_hardware(strategy_cfg: DictConfig | None, trainer_cfg: DictConfig) -> None:
-    """Reject options that cannot work on this hardware now, not deep inside `fit`."""
+def check_options(
+    strategy_cfg: DictConfig | None, trainer_cfg: DictConfig, world_size: int = 1
+) -> None:
+    """Reject options that cannot work on this hardware, or not together, now: not deep inside
+    `fit` (docs/launching.md lists the combinations tried)."""
     gpu = on_gpu(str(trainer_cfg.get("accelerator", "auto")))
     if trainer_cfg.get("sync_batchnorm") and not gpu:
         raise UserError(
@@ -155,6 +163,14 @@ def check_hardware(strategy_cfg: DictConfig | None, trainer_cfg: DictConfig) -> 
             "strategy.process_group_backend=nccl needs CUDA GPUs and a torch build with NCCL: "
             "use gloo on CPU (or leave it null to pick automatically)"
         )
+    accumulate = int(trainer_cfg.get("accumulate_grad_batches") or 1)
+    if strategy_cfg.get("static_graph") and accumulate > 1 and world_size > 1:
+        # DDP's reducer asserts inside backward (Lightning #19354, pytorch #143580).
+        raise UserError(
+            f"strategy.static_graph=true with trainer.accumulate_grad_batches={accumulate} "
+            "crashes inside DDP (its no_sync steps break the static graph): use strategy=ddp, "
+            "or trainer.accumulate_grad_batches=1"
+        )
 
 
 def build_strategy(strategy_cfg: DictConfig | None, topology: Topology) -> Any:
@@ -172,17 +188,47 @@ def is_peer_failure(err: BaseException) -> bool:
     return type(err).__name__ == "DistBackendError" or any(m in text for m in markers)
 
 
+# DDP names parameters that got no gradient by their index in the order it registered them.
+UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+_parameter_names: list[str] = []  # the DDP model's parameters, in that order
+
+
+def remember_parameters(model: DistributedDataParallel) -> None:
+    """Call after wrapping a model in DDP (both trainers): for `errors_reported` to name the
+    parameters an error gives by index. Both trainers' modules hold the task as `task`."""
+    named = model.module.named_parameters()
+    _parameter_names[:] = [name.removeprefix("task.") for name, p in named if p.requires_grad]
+
+
+def unused_parameters(err: BaseException) -> tuple[int, list[str]] | None:
+    """(rank, parameter names) when `err` is DDP's "no gradient for these parameters"."""
+    found = UNUSED.search(str(err))
+    if found is None:
+        return None
+    indices = [int(i) for i in found[2].split()]
+    names = [_parameter_names[i] if i < len(_parameter_names) else f"#{i}" for i in indices]
+    return int(found[1]), names
+
+
 @contextlib.contextmanager
-def peer_failures_reported() -> Iterator[None]:
-    """Turn "another rank is gone" errors into one line and exit 1 instead of a traceback wall."""
+def errors_reported() -> Iterator[None]:
+    """One line instead of a traceback wall: "another rank is gone" (exit 1), "these
+    parameters got no gradient" (exit 2: the model or the strategy must change)."""
     try:
         yield
     except RuntimeError as err:
+        if unused := unused_parameters(err):
+            rank, names = unused
+            fail(
+                f"rank {rank}: these parameters got no gradient in a training step, which DDP "
+                f"needs: {', '.join(names)}. Use them in the loss (or delete them), or train "
+                "with strategy=ddp_unused (find_unused_parameters=true, a little slower)"
+            )
         if not is_peer_failure(err):
             raise
         fail(
             "a distributed collective failed: another rank died or stopped responding "
             f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); see the other ranks' "
             "output for the cause",
-            code=1,
+            code=EXIT_FAILED,
         )

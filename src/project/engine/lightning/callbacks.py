@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.checkpoints import LAST_CKPT
 from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
-from project.engine.launch import faults
+from project.engine.launch import comm_hooks, faults
 from project.engine.launch.signals import StopSignal
 from project.engine.private_api import skip_sigterm_broadcast
 from project.engine.shared.step_stats import StepStats
@@ -73,6 +73,9 @@ class FaultTolerance(pl.Callback):
             if 0 < done < trainer.num_training_batches and hasattr(loader.sampler, "skip_batches"):
                 loader.sampler.skip_batches(done, loader.batch_size)
                 log.info(f"Resuming mid-epoch: skipping the {done} batches already trained on")
+            resumed, device = Path(trainer.ckpt_path), trainer.strategy.root_device
+            step, hook = trainer.global_step, comm_hook(trainer)  # PowerSGD's per-rank state
+            comm_hooks.load_state(hook, resumed, step, device, required=resumed == self.path)
         # Lightning registered its signal handlers just before this hook; ours replace them
         # and Lightning's teardown restores the original ones afterwards.
         self.stop.install()
@@ -97,7 +100,9 @@ class FaultTolerance(pl.Callback):
         if trainer.fast_dev_run:
             return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
         began = time.monotonic()
+        comm_hooks.save_state(comm_hook(trainer), self.path, trainer.global_step)  # every rank
         trainer.save_checkpoint(self.path, weights_only=False)  # full state: a resume point
+        comm_hooks.prune_state(comm_hook(trainer), self.path, trainer.global_step)
         self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
         log.info(f"Saved {self.path} at step {trainer.global_step}")
 
@@ -109,6 +114,11 @@ class FaultTolerance(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.stop.restore()
+
+
+def comm_hook(trainer: pl.Trainer) -> comm_hooks.CommHook | None:
+    """The strategy's gradient-communication hook (project.engine.lightning.strategy)."""
+    return getattr(trainer.strategy, "comm_hook", None)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

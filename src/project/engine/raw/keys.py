@@ -28,7 +28,7 @@ CONSUMED = {
     # data: the datamodule adapter's arguments
     "data._target_", "data._recursive_", "data.batch_size", "data.num_workers", "data.pin_memory",
     "data.persistent_workers", "data.dataset.*",
-    # strategy: DistributedDataParallel / process-group options (checked by ddp.check_hardware)
+    # strategy: DistributedDataParallel / process-group options (checked by ddp.check_options)
     "strategy.*",
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.sync_batchnorm",
     "trainer.min_epochs", "trainer.max_epochs", "trainer.precision",

@@ -48,7 +48,7 @@ from project.engine.checkpoints.resume import checkpoint_dir, last_checkpoint, t
 from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
-from project.engine.launch import ddp, env, faults
+from project.engine.launch import comm_hooks, ddp, env, faults
 from project.engine.launch.exits import Preempted, close_process_group
 from project.engine.launch.signals import StopSignal
 from project.engine.raw.keys import check_config
@@ -135,6 +135,8 @@ class RawTrainer:
         if self.on_gpu:
             torch.cuda.set_device(self.device)
         self.strategy = dict(to_plain(self.cfg.get("strategy")) or {})
+        hook = self.strategy.get("comm_hook")
+        self.comm_hook = instantiate(hook) if hook and topology.world_size > 1 else None
         if self.world > 1:
             s = self.strategy
             timeout = instantiate(s["timeout"]) if s.get("timeout") else None
@@ -168,10 +170,14 @@ class RawTrainer:
         step = Step(self.task)
         if self.world == 1:
             return step
-        not_ddp = ("_target_", "process_group_backend", "timeout", "start_method")
+        not_ddp = ("_target_", "process_group_backend", "timeout", "start_method", "comm_hook")
         kwargs = {k: v for k, v in self.strategy.items() if k not in not_ddp}
         device_ids = [self.local_rank] if self.on_gpu else None
-        return DistributedDataParallel(step, device_ids=device_ids, **kwargs)
+        model = DistributedDataParallel(step, device_ids=device_ids, **kwargs)
+        ddp.remember_parameters(model)
+        if self.comm_hook is not None:
+            self.comm_hook.register(model)
+        return model
 
     def setup_fault_tolerance(self) -> None:
         ft = self.fault_tolerance = to_plain(self.cfg.callbacks.get("fault_tolerance")) or {}
@@ -379,11 +385,13 @@ class RawTrainer:
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
         began = time.monotonic()
+        comm_hooks.save_state(self.comm_hook, self.last_path(), self.global_step)  # every rank
         if self.is_zero:
             path = self.last_path()
             atomic_save(self.state_dict(), path)
             log.info(f"Saved {path} at step {self.global_step}")
         self.barrier()
+        comm_hooks.prune_state(self.comm_hook, self.last_path(), self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
 
     def save_best(self, metrics: dict[str, float]) -> None:
@@ -432,6 +440,8 @@ class RawTrainer:
         self.early.best = state["early_stopping"]["best"]
         self.early.wait = state["early_stopping"]["wait"]
         set_rng_state(state["rng"])  # continue the interrupted random streams
+        required = Path(path) == self.last_path()  # PowerSGD's per-rank state, if it has one
+        comm_hooks.load_state(self.comm_hook, Path(path), self.global_step, self.device, required)
         self.resumed = True
         log.info(f"Resumed from {path}: epoch {self.epoch}, batch {self.batch_in_epoch}, "
                  f"step {self.global_step}")  # fmt: skip

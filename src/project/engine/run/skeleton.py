@@ -122,7 +122,7 @@ def prepare(run: Run, trainer: Trainer) -> None:
     from project.engine.run.console import print_config_tree
 
     threads = ddp.configure_threads(run.topology)
-    ddp.check_hardware(run.cfg.get("strategy"), run.cfg.trainer)
+    ddp.check_options(run.cfg.get("strategy"), run.cfg.trainer, run.topology.world_size)
     if is_rank_zero():
         tree_log = run.output_dir / "config_tree.log"  # a resumed run keeps its first record
         print_config_tree(run.cfg, TREE_ORDER, save_to=None if tree_log.exists() else tree_log)
@@ -164,12 +164,13 @@ def relaunch(
 def fit_and_test_then_stop(
     run: Run, fit_and_test: Callable[[Run], dict[str, float]]
 ) -> dict[str, float]:
-    """`fit_and_test` with a dead peer reported in one line and a coordinated stop turned
-    into exit 143; the process group is closed after a finished run or a stop."""
-    from project.engine.launch.ddp import peer_failures_reported
+    """`fit_and_test` with a dead peer or unused parameters reported in one line and a
+    coordinated stop turned into exit 143; the process group is closed after a finished run
+    or a stop."""
+    from project.engine.launch.ddp import errors_reported
 
     try:
-        with peer_failures_reported():
+        with errors_reported():
             metrics = fit_and_test(run)
     except Preempted as stop:
         if is_rank_zero():

@@ -1,0 +1,33 @@
+"""Lightning's DDPStrategy with the template's two additions (`_target_` of configs/strategy/):
+
+- `comm_hook`: a gradient-communication hook (project.engine.launch.comm_hooks) registered on
+  every device; Lightning's own `ddp_comm_hook` is registered on CUDA only.
+- DDP errors about parameters that got no gradient keep torch's parameter indices (Lightning
+  replaces the whole message), so the run skeleton can name the parameters
+  (project.engine.launch.ddp.unused_parameters_reported).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+
+from project.engine.launch import ddp
+from project.engine.launch.comm_hooks import CommHook
+
+
+class DDPStrategy(LightningDDPStrategy):
+    def __init__(self, comm_hook: CommHook | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.comm_hook = comm_hook
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the module in DistributedDataParallel
+        ddp.remember_parameters(self.model)
+        if self.comm_hook is not None:
+            self.comm_hook.register(self.model)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if not ddp.UNUSED.search(str(exception)):
+            super().on_exception(exception)

@@ -1,0 +1,148 @@
+"""DDP options users tune: gradient-communication hooks (fp16, bf16, PowerSGD) in both trainers
+with bitwise parity and a resumable PowerSGD state, known-bad combinations refused in one
+line, parameters without gradients named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from project.engine.errors import UserError
+from project.engine.launch.comm_hooks import BucketLayouts, CommHook
+from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from project.engine.launch.torchrun import TRAINERS
+from tests.helpers import final_weights, finish, run_script, start
+
+HOOKS = ["ddp_fp16", "ddp_bf16", "ddp_powersgd"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return json.loads((run_dir / "step_stats.json").read_text())["losses"]
+
+
+# --- quick: the rules ---------------------------------------------------------------------
+@pytest.mark.quick
+def test_a_bad_hook_config_is_one_line() -> None:
+    with pytest.raises(UserError, match="kind='fp8' is not one of fp16, bf16, powersgd"):
+        CommHook("fp8")
+    with pytest.raises(UserError, match=r"strategy\.comm_hook\.rank is not an option"):
+        CommHook("powersgd", rank=2)
+    with pytest.raises(UserError, match="matrix_approximation_rank is not an option of the fp16"):
+        CommHook("fp16", matrix_approximation_rank=2)
+
+
+@pytest.mark.quick
+def test_powersgd_state_follows_the_parameters_when_buckets_are_laid_out_anew() -> None:
+    """DDP's first step of a process lays a bucket out in parameter order, later steps in
+    gradient-ready order: each parameter's slice of the error, P and Q moves with it."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    layouts = BucketLayouts(state, net.named_parameters())
+    order = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    where = layouts.slices(order)
+    assert set(where["0.weight"]) == {"error", "p", "q"} and set(where["0.bias"]) == {"error"}
+    state.error_dict[0] = torch.arange(8 * 16 + 16 + 16 * 4 + 4, dtype=torch.float32)
+    state.p_memory_dict[0] = torch.arange(16 + 4, dtype=torch.float32)
+    state.q_memory_dict[0] = torch.arange(8 + 16, dtype=torch.float32)
+    before = {k: dict(d) for k, d in (("e", state.error_dict), ("p", state.p_memory_dict),
+                                       ("q", state.q_memory_dict))}  # fmt: skip
+    layouts.names[0] = order
+    layouts.split_all()
+    reverse = order[::-1]
+    layouts.names[0] = reverse
+    layouts.join(0, reverse)
+    moved = layouts.slices(reverse)
+    start, length = moved["0.weight"]["error"]
+    assert torch.equal(state.error_dict[0][start : start + length], torch.arange(128.0))
+    start, length = moved["1.weight"]["p"]
+    assert torch.equal(state.p_memory_dict[0][start : start + length], torch.arange(16.0, 20.0))
+    layouts.split_all()  # and back: the very same tensors
+    layouts.names[0] = order
+    layouts.join(0, order)
+    assert torch.equal(state.error_dict[0], before["e"][0])
+    assert torch.equal(state.p_memory_dict[0], before["p"][0])
+    assert torch.equal(state.q_memory_dict[0], before["q"][0])
+
+
+@pytest.mark.quick
+def test_static_graph_with_accumulation_is_refused_before_any_process_starts(base_args) -> None:
+    args = [*base_args, "trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp_static",
+            "trainer.accumulate_grad_batches=2"]  # fmt: skip
+    proc = run_script("train.py", args, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "strategy.static_graph=true" in lines[0], lines
+    assert "trainer.accumulate_grad_batches=2" in lines[0] and "Traceback" not in proc.stderr
+
+
+# --- distributed: 2 processes under torchrun -----------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize("preset", HOOKS)
+def test_each_hook_runs_in_both_trainers_with_bitwise_equal_losses(torchrun_runs, preset) -> None:
+    lightning = torchrun_runs(f"strategy={preset}")
+    raw = torchrun_runs(f"strategy={preset}", trainer="raw")
+    assert len(losses(lightning.dir)) >= 20
+    assert losses(lightning.dir) == losses(raw.dir)  # bitwise, every step
+    assert losses(lightning.dir) != losses(torchrun_runs().dir)  # the hook is really on
+
+
+def launcher_job(module: str, args: list[str], run_id: str) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
+           "-m", module, *args]  # fmt: skip
+    return finish(start(cmd, RUN_ID=run_id), 240)
+
+
+@pytest.mark.distributed
+def test_powersgd_state_survives_a_preemption_in_both_trainers(base_args, log_dir) -> None:
+    """Every rank saves its own PowerSGD state beside the last checkpoint and gets it back on
+    resume; the resumed run ends where the uninterrupted one does (to the last bits: DDP's
+    first step of a process runs PowerSGD's matrix products at other memory offsets). A resume
+    whose per-rank state is missing is refused in one line."""
+    args = [*base_args, "strategy=ddp_powersgd", "trainer.max_epochs=4", "test=false",
+            "callbacks.early_stopping=null"]  # fmt: skip
+    code, out = launcher_job("project.train", args, "whole")
+    assert code == 0, out[-3000:]
+    whole = final_weights(log_dir / "train/runs/whole")
+    for trainer, module in TRAINERS.items():
+        stop = [*args, "fault_injection.at_step=25", "fault_injection.mode=sigterm"]
+        code, out = launcher_job(module, stop, trainer)
+        assert code == EXIT_PREEMPTED, out[-3000:]
+        ckpts = log_dir / "train/runs" / trainer / "checkpoints"
+        states = sorted(p.name for p in ckpts.glob("*.comm_hook.*"))
+        assert len(states) == 2 and all(".step29." in s for s in states), states
+        broken = log_dir / "train/runs" / f"{trainer}-broken"
+        shutil.copytree(ckpts.parent, broken)
+        next((broken / "checkpoints").glob("*.rank1.pt")).unlink()
+        code, out = launcher_job(module, args, f"{trainer}-broken")
+        assert code == EXIT_BAD_INPUT and "rank 1 at step 29 cannot be restored" in out, out[-3000:]
+        code, out = launcher_job(module, args, trainer)  # the same command: resumes
+        assert code == 0, out[-3000:]
+        resumed = final_weights(ckpts.parent)
+        for key, value in whole.items():
+            torch.testing.assert_close(resumed[key], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.distributed
+def test_parameters_without_gradients_are_named_on_every_rank(base_args, tmp_path) -> None:
+    args = [*base_args, "model.net._target_=tests.user_model.TwoHeads", "trainer.max_epochs=1",
+            "test=false", f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
+    for module in TRAINERS.values():
+        code, out = launcher_job(module, args, f"unused-{module}")
+        errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+        assert code == EXIT_BAD_INPUT and len(errors) == 2, out[-3000:]
+        for rank, line in enumerate(sorted(errors)):
+            assert line.startswith(f"error: rank {rank}: these parameters got no gradient")
+            assert (
+                "net.aux_head.weight, net.aux_head.bias" in line and "strategy=ddp_unused" in line
+            )
+        assert "Traceback" not in out
+    code, out = launcher_job("project.train", [*args[:-1], f"hydra.run.dir={tmp_path}/fixed",
+                                               "strategy=ddp_unused"], "fixed")  # fmt: skip
+    assert code == 0, out[-3000:]
