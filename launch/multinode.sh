@@ -7,8 +7,10 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 launch/multinode.sh trainer=gpu   # on node 1
 # c10d rendezvous (elastic: nodes may arrive in any order, NNODES may be MIN:MAX):
 #   NNODES=2 RDZV_ENDPOINT=10.0.0.1:29400 RDZV_ID=job42 launch/multinode.sh trainer=gpu
-# Started by torchrun itself (no second torchrun: the training runs directly):
-#   torchrun --nnodes=2 --nproc-per-node=8 ... --no-python launch/multinode.sh trainer=gpu
+# Started by torchrun itself (no second torchrun: the training runs directly), with or without
+# --no-python (without it torchrun runs this file with Python, and the last line hands it to
+# bash: both forms do the same):
+#   torchrun --nnodes=2 --nproc-per-node=8 ... launch/multinode.sh trainer=gpu
 #
 # Env: NNODES (default 1), NPROC_PER_NODE (default: all GPUs, or 1), NODE_RANK (default 0),
 # MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default: derived from RUN_ID or the SLURM job
@@ -19,6 +21,9 @@
 # MAX_RESTARTS (default 0), plus PYTHON, TRAINER, DRY_RUN from launch/common.sh.
 # Passed through untouched: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (the network interface
 # to use, e.g. eth0 or ib0), NCCL_DEBUG=INFO (what NCCL chose), TORCH_DISTRIBUTED_DEBUG.
+''':'
+# Bash reads the line above as the no-op `:`, Python as the start of a string that ends at
+# the `exit` line at the bottom: Python then runs only the last line.
 set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -63,3 +68,7 @@ fi
 [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local-addr="$LOCAL_ADDR")
 
 run "${TORCHRUN[@]}" "${args[@]}" -m "$MODULE" "$@"
+# shellcheck disable=SC2317  # the Python part: bash never gets past `exit`
+exit # '''
+# shellcheck disable=SC2317
+import project.engine.launch.bash_script  # Python: run this file with bash (as --no-python)

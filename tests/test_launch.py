@@ -128,12 +128,19 @@ def test_two_hosts_in_network_namespaces(netns_pair, base_args, log_dir) -> None
     assert len(runs(log_dir)) == 1
 
 
-def test_torchrun_no_python_multinode_script(base_args, log_dir) -> None:
-    cmd = [*torchrun(["--no-python", str(ROOT / "launch" / "multinode.sh")]), *base_args,
-           *SHORT_LOGGED]  # fmt: skip
+@pytest.mark.parametrize("no_python", [["--no-python"], []], ids=["no-python", "as-written"])
+def test_torchrun_runs_the_multinode_script(base_args, log_dir, no_python) -> None:
+    """`torchrun ... launch/multinode.sh` as the docs write it (torchrun then runs the script
+    with Python: its last line hands it to bash) trains exactly as with --no-python: one run
+    folder, the script's own command line, exit 0; and bad input is exit 2 either way."""
+    script = str(ROOT / "launch" / "multinode.sh")
+    cmd = [*torchrun([*no_python, script]), *base_args, *SHORT_LOGGED]
     code, out = finish(start(cmd))
     assert code == 0, out[-4000:]
     assert world_size_reported(out) == 2 and len(runs(log_dir)) == 1
+    assert "SyntaxError" not in out and "-m project.train" in out  # the script's own "+ ..." line
+    code, out = finish(start([*cmd, "trainer.max_epochs=abc"]))
+    assert code != 0 and "error: trainer.max_epochs='abc'" in out, out[-3000:]
 
 
 @pytest.mark.parametrize(

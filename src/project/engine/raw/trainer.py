@@ -8,6 +8,7 @@ Lightning's. What had to match for that is marked "parity:".
 | Lightning feature                                  | where it happens here                |
 |----------------------------------------------------|--------------------------------------|
 | Trainer(devices, num_nodes), DDPStrategy options   | `setup_distributed`, `wrap_model`     |
+| DDP comm hooks (the template's strategy.comm_hook) | `wrap_model`, `save_last`, `load`     |
 | seed_everything, deterministic, benchmark          | `seed_everything`, `__init__`         |
 | LightningDataModule prepare_data/setup, sampler    | `setup_data` (prepare once per node)  |
 | LightningModule.training_step under DDP            | `Step.forward` -> `task.step`         |
