@@ -22,6 +22,7 @@ from tests.helpers import (
     assert_same_training,  # feature:raw
     finish,
     free_port,
+    read_scalars,
     start,
     step_losses,
     torchrun,
@@ -50,6 +51,16 @@ def test_torchrun_standalone_two_processes(torchrun_runs) -> None:
     run = runs[0].dir
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "config_tree.log").is_file()
     assert sorted(p.name for p in run.glob("*.log")) == ["config_tree.log", "train.log"]
+
+
+def test_both_trainers_log_their_throughput(torchrun_runs) -> None:
+    """train/samples_per_s (the task's unit: tokens for the language model) on every logged
+    step, over both ranks, in TensorBoard."""
+    for trainer in TRAINERS:
+        scalars = read_scalars(torchrun_runs(trainer=trainer).dir / "tensorboard")
+        rates = [v for _, v in scalars["train/samples_per_s"]]
+        steps = [s for s, _ in scalars["train/loss_step"]]
+        assert len(rates) == len(steps) and min(rates) > 0, (trainer, rates)
 
 
 def test_torchrun_losses_identical_on_rerun(torchrun_runs) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from project.compare import summarise, table
+from project.compare import scaling, scaling_table, summarise, table, with_devices
 from project.engine.config.schema import check_schema
 from project.engine.raw.keys import classify
 from tests.helpers import (
@@ -104,6 +104,12 @@ def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
     assert_same_training(tmp / "lightning", tmp / "raw")
 
 
+def test_parity_float16_mixed_precision_on_cpu(base_args, tmp_path) -> None:
+    """Lightning runs `16-mixed` as bfloat16 AMP on a CPU; the raw trainer does the same."""
+    assert_parity(tmp_path, [*base_args, *SHORT_STATS, "trainer.precision=16-mixed",
+                             "trainer.accelerator=cpu"])  # fmt: skip
+
+
 def test_parity_one_process_cnn_accumulation_clipping(base_args, tmp_path) -> None:
     assert_parity(tmp_path, [*base_args, *SHORT_STATS, "model=cnn",
                              "trainer.accumulate_grad_batches=3", "trainer.gradient_clip_val=0.5",
@@ -174,3 +180,21 @@ def test_compare_summary_shows_each_repeat_pair() -> None:
     assert summary["lightning_over_raw_step_time"] == pytest.approx(5.0 / 3.0)
     assert summary["losses_bitwise_equal"]
     assert "**1.667x** (+2000 us per step; repeats 1.000x-2.000x)" in table(summary)
+
+
+@pytest.mark.quick
+def test_scaling_efficiency_is_throughput_over_n_times_one_process() -> None:
+    def run(step_ms: float, units: int) -> dict:
+        stats = {"step_starts_s": [i * step_ms / 1000 for i in range(12)], "losses": [1.0] * 12,
+                 "unit": "samples", "units_per_step": units}  # fmt: skip
+        return {"stats": stats, "metrics": {}, "dir": "d"}
+
+    results = {1: {"lightning": [run(4.0, 64)], "raw": [run(4.0, 64)]},
+               2: {"lightning": [run(5.0, 128)], "raw": [run(4.0, 128)]}}  # fmt: skip
+    rows = {(r["trainer"], r["processes"]): r for r in scaling(results, warmup=1)["rows"]}
+    assert rows["raw", 1]["per_s"] == pytest.approx(16000)  # 64 samples per 4 ms
+    assert rows["raw", 2]["efficiency"] == pytest.approx(1.0)  # twice the samples, same time
+    assert rows["lightning", 2]["efficiency"] == pytest.approx(0.8)
+    text = scaling_table(scaling(results, warmup=1))
+    assert "| lightning | 2 | 5.00 | 25600 | 0.80 |" in text
+    assert with_devices(["trainer.devices=2", "seed=1"], 1) == ["seed=1", "trainer.devices=1"]

@@ -140,3 +140,22 @@ def test_checkpoint_to_test(tmp_path, train, which, resume, expected) -> None:
 def test_a_missing_best_falls_back_to_the_current_weights(tmp_path) -> None:
     run = run_of(tmp_path, True, "best", Resume())
     assert checkpoint_to_test(run, tmp_path / "no-best.ckpt") is None
+
+
+def test_throughput_counts_the_tasks_units() -> None:
+    import torch
+
+    from project.engine.shared.throughput import Throughput
+    from project.tasks.classification import Classification
+    from project.tasks.language_model import LanguageModel
+
+    net = torch.nn.Identity()
+    batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+    assert (LanguageModel(net).unit, LanguageModel(net).count(batch)) == ("tokens", 256)
+    assert (
+        Classification(net, num_classes=10).unit,
+        Classification(net, num_classes=10).count(batch),
+    ) == ("samples", 8)
+    meter = Throughput(world_size=2)
+    meter.count(100)
+    assert meter.rate() > 0 and meter.units == 0  # counted units over both ranks, then reset

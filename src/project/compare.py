@@ -4,6 +4,7 @@
     python -m project.compare trainer.devices=2 experiment=bench   # each as 2-process torchrun
     python -m project.compare --from-runs LIGHTNING_RUN_DIR RAW_RUN_DIR  # e.g. multi-node runs
                                      # made by launch/multinode.sh with step_stats=true
+    python -m project.compare --scaling experiment=bench   # 1 and 2 processes: scaling efficiency
 
 Repetitions are interleaved (L, raw, raw, L, ...) so that a slow phase of the machine hits
 both. Writes compare.md, compare.json and compare.png (losses overlaid, step-time histograms;
@@ -198,12 +199,72 @@ def plot(results: dict[str, list[dict[str, Any]]], warmup: int, path: Path) -> P
     return path
 
 
+def with_devices(overrides: list[str], nproc: int) -> list[str]:
+    """The overrides with `trainer.devices=nproc` (a plain 1-process run must not spawn)."""
+    return [
+        *(o for o in overrides if not o.startswith("trainer.devices=")),
+        f"trainer.devices={nproc}",
+    ]
+
+
+def scaling(results: dict[int, dict[str, list[dict[str, Any]]]], warmup: int) -> dict[str, Any]:
+    """Steady step time and throughput (the task's units: samples, tokens) per trainer and
+    process count, and each trainer's scaling efficiency: throughput with N processes over N
+    times the 1-process throughput."""
+    rows = []
+    for nproc, by_trainer in sorted(results.items()):
+        for name, runs in by_trainer.items():
+            step_s = statistics.median(steady_step_s(r["stats"], warmup) for r in runs)
+            stats = runs[0]["stats"]
+            rows.append({"trainer": name, "processes": nproc, "step_ms": 1000 * step_s,
+                         "unit": stats.get("unit", "samples"),
+                         "per_s": stats.get("units_per_step", 0) / step_s})  # fmt: skip
+    per_s = {(r["trainer"], r["processes"]): r["per_s"] for r in rows}
+    for row in rows:
+        base = per_s[row["trainer"], 1]
+        row["efficiency"] = row["per_s"] / (row["processes"] * base) if base else None
+    return {"rows": rows, "processes": sorted(results)}
+
+
+def scaling_table(summary: dict[str, Any]) -> str:
+    unit = summary["rows"][0]["unit"]
+    lines = [f"| trainer | processes | steady step (ms) | {unit}/s | scaling efficiency |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for r in summary["rows"]:
+        eff = "" if r["processes"] == 1 else f"{r['efficiency']:.2f}"
+        lines.append(f"| {r['trainer']} | {r['processes']} | {r['step_ms']:.2f} | "
+                     f"{r['per_s']:.0f} | {eff} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_scaling(overrides: list[str], nproc: int, repeats: int, warmup: int, out_dir: Path) -> None:
+    """`--scaling`: both trainers with 1 and `nproc` processes, interleaved repeats."""
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for n in (1, nproc):
+        results[n] = {"lightning": [], "raw": []}
+        for rep in range(repeats):
+            for name in ("lightning", "raw") if rep % 2 == 0 else ("raw", "lightning"):
+                run_dir = out_dir / f"x{n}" / name / f"r{rep}"
+                print(f"[x{n} {rep + 1}/{repeats}] {name}: {run_dir}", flush=True)
+                run = run_once(TRAINERS[name], n, with_devices(overrides, n), run_dir)
+                results[n][name].append(run)
+    summary = scaling(results, warmup) | {"overrides": overrides}
+    text = scaling_table(summary)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "scaling.md").write_text(text + "\n")
+    (out_dir / "scaling.json").write_text(json.dumps(summary, indent=2))
+    print(f"{text}\n\nWritten: {out_dir / 'scaling.md'}, {out_dir / 'scaling.json'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of each trainer (default 5)")
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of step times")
     parser.add_argument("--from-runs", nargs=2, metavar=("LIGHTNING_RUN", "RAW_RUN"),
                         help="compare two finished runs instead of starting new ones")  # fmt: skip
+    parser.add_argument("--scaling", action="store_true",
+                        help="1 against trainer.devices (at least 2) processes: step time, "
+                        "throughput and scaling efficiency of each trainer")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     if args.from_runs:
         results = {"lightning": [read_run(Path(args.from_runs[0]))],
@@ -223,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
                 "launch/multinode.sh and step_stats=true, then use --from-runs"
             )
         out_dir = Path(cfg.paths.log_dir) / "compare" / "runs" / run_id()
+        if args.scaling:
+            run_scaling(overrides, max(2, nproc), args.repeats, args.warmup, out_dir)
+            return
         results = {"lightning": [], "raw": []}
         for rep in range(args.repeats):
             order = ("lightning", "raw") if rep % 2 == 0 else ("raw", "lightning")

@@ -16,6 +16,11 @@ class LanguageModel(Task):
     """`net` maps (batch, time) token ids to (batch, time, vocab) logits; batches are
     (tokens, the same tokens shifted by one)."""
 
+    unit = "tokens"  # throughput: train/tokens_per_s
+
+    def count(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return batch[0].numel()
+
     def metrics(self, stage: str) -> dict[str, Metric]:
         # Training perplexity is exp(train/loss) already: computing it per step costs a softmax.
         return {} if stage == "train" else {"ppl": Perplexity()}

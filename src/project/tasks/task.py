@@ -43,6 +43,14 @@ class Task(nn.Module):
         values."""
         raise NotImplementedError
 
+    # What throughput counts (train/<unit>_per_s): samples by default.
+    unit = "samples"
+
+    def count(self, batch: Any) -> int:
+        """How many `unit`s `batch` holds (its first tensor's length, by default)."""
+        first = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return len(first)
+
 
 def build_task(task: Mapping[str, Any], net: Mapping[str, Any]) -> Task:
     """The task of the `model.task` config around the network of `model.net` (both trainers)."""

@@ -148,7 +148,12 @@ class StepStatsCallback(pl.Callback):
         self.run_dir = Path(run_dir)
         self.stats = StepStats()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.stats.units_per_step:
+            task = pl_module.task
+            self.stats.record_units(task.unit, task.count(batch) * trainer.world_size)
         self.stats.step_start()
 
     def on_train_batch_end(

@@ -17,6 +17,7 @@ from project.engine.config.compose import to_plain
 from project.engine.private_api import DirectHookName
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
+from project.engine.shared.throughput import Throughput
 from project.tasks.task import STAGES, build_task
 
 
@@ -76,10 +77,16 @@ class TaskModule(DirectHookName, pl.LightningModule):
         # The per-step loss is this rank's own (no collective per step; epoch values are
         # synced). Only on the steps the logger writes: each self.log call re-walks Lightning's
         # result object, which costs more than a small model's step (docs/performance.md).
+        self.throughput.count(self.task.count(batch))
         every = self.trainer.log_every_n_steps
         if self.trainer.fast_dev_run or (every and (self.global_step + 1) % every == 0):
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
+            rate = self.throughput.rate()  # the task's units per second, all ranks
+            self.log(f"train/{self.task.unit}_per_s", rate, on_step=True, on_epoch=False)
         return loss
+
+    def on_train_start(self) -> None:
+        self.throughput = Throughput(self.trainer.world_size)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._step(batch, "val")

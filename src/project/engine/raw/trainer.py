@@ -58,6 +58,7 @@ from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.engine.shared.sharding import shard_loader
 from project.engine.shared.step_stats import StepStats
+from project.engine.shared.throughput import Throughput
 from project.tasks.task import STAGES, build_task
 
 log = logging.getLogger("project.raw_train")
@@ -106,10 +107,14 @@ class RawTrainer:
         self.optimizer = build_optimizer(self.task.parameters(), to_plain(cfg.model.optimizer))
         built = build_scheduler(self.optimizer, to_plain(cfg.model.get("scheduler")))
         self.scheduler, self.sched_interval, self.sched_every = built or (None, "epoch", 1)
-        self.autocast_dtype = AUTOCAST.get(str(t.precision))
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(t.precision) == "16-mixed")
+        precision = str(t.precision)
+        if precision == "16-mixed" and not self.on_gpu:
+            precision = "bf16-mixed"  # parity: Lightning runs float16 AMP as bfloat16 on CPU
+        self.autocast_dtype = AUTOCAST.get(precision)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "16-mixed")
         self.setup_fault_tolerance()
         self.stats = StepStats() if cfg.get("step_stats") else None
+        self.throughput = Throughput(self.world)
         has_logger = self.is_zero and cfg.get("logger")
         self.writer = SummaryWriter(str(output_dir / "tensorboard")) if has_logger else None
         self.global_step = 0  # optimizer steps, like Lightning's trainer.global_step
@@ -312,6 +317,8 @@ class RawTrainer:
         self.log_scalar(lr_name, self.optimizer.param_groups[0]["lr"], self.global_step)
         for i, batch in self.batches("train", n_train, first):
             if self.stats:
+                if not self.stats.units_per_step:
+                    self.stats.record_units(self.task.unit, self.task.count(batch) * self.world)
                 self.stats.step_start()
             self.batch_in_epoch = i  # batches of this epoch already trained on
             if i % accumulate == 0:
@@ -322,8 +329,11 @@ class RawTrainer:
                 self.optimizer_step()
             if self.stats:
                 self.stats.record_loss(loss / accumulate)  # what backward saw
+            self.throughput.count(self.task.count(batch))
             if sync and self.global_step % int(t.log_every_n_steps) == 0:
                 self.log_scalar("train/loss_step", loss.item(), self.global_step)
+                rate = self.throughput.rate()
+                self.log_scalar(f"train/{self.task.unit}_per_s", rate, self.global_step)
             faults.maybe_fail(self.global_step, self.rank, self.cfg.get("fault_injection"))
         self.batch_in_epoch = 0
 
