@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from project.engine.errors import UserError
 
-# What Lightning 2.x accepts for `precision` (lightning.fabric.connector._PRECISION_INPUT).
+# What Lightning accepts for `precision` (its lightning.fabric.connector._PRECISION_INPUT).
 PRECISIONS = Literal["transformer-engine", "transformer-engine-float16", "16-true", "16-mixed",
                      "bf16-true", "bf16-mixed", "32-true", "64-true", 64, 32, 16, "64", "32",
                      "16", "bf16"]  # fmt: skip

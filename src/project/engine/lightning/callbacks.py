@@ -36,7 +36,7 @@ class FaultTolerance(pl.Callback):
     - The end-of-epoch checkpoint is written before the first batch of the next epoch (a
       mid-epoch checkpoint with nothing of that epoch done: the restart point Lightning
       resumes exactly), and the last one when training ends, marked finished. Lightning's
-      ModelCheckpoint(save_last=True) is not used for this: in 2.6 it refreshes last.ckpt only
+      ModelCheckpoint(save_last=True) is not used for this: it refreshes last.ckpt only
       when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
     - Exact resume: the RNG states travel in the checkpoint, and a mid-epoch checkpoint makes
       the resumed epoch skip the batches already trained on (shared.sharding.ResumableSampler).

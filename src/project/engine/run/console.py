@@ -34,7 +34,7 @@ def quiet_lightning() -> None:
     "lightning" logger, so every Lightning message would print twice (its handler + root's)
     and bypass the rank-zero filter. Root's handlers (configured by Hydra) are enough.
     """
-    # lightning 2.6 + torch >= 2.10 warn about a torch pytree API on every run: noise for users.
+    # Lightning on a newer torch warns about a torch pytree API on every run: noise for users.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # Printed on any machine with SLURM installed, also where it is not used (tests, laptops
     # with a cluster client): the launch scripts choose srun where it is meant.
