@@ -153,6 +153,13 @@ def torchrun(target: Sequence[str], nproc: int = 2) -> list[str]:
     return command(list(target), nproc)
 
 
+def launcher(target: Sequence[str], nproc: int = 2) -> list[str]:
+    """The same single-node job under `python -m project.launcher` (the launch scripts'
+    torchrun: exit codes, no restarts of bad input, forwarded signals)."""
+    return [sys.executable, "-m", "project.launcher", "--standalone", f"--nproc-per-node={nproc}",
+            *target]  # fmt: skip
+
+
 def options(group: str) -> list[str]:
     """The option names of a config group (its YAML files)."""
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))

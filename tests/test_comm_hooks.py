@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from project.engine.errors import UserError
 from project.engine.launch.comm_hooks import BucketLayouts, CommHook
 from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.launch.torchrun import TRAINERS
-from tests.helpers import final_weights, finish, run_script, start
+from tests.helpers import final_weights, finish, launcher, run_script, start
 
 HOOKS = ["ddp_fp16", "ddp_bf16", "ddp_powersgd"]
 
@@ -96,9 +95,7 @@ def test_each_hook_runs_in_both_trainers_with_bitwise_equal_losses(torchrun_runs
 
 
 def launcher_job(module: str, args: list[str], run_id: str) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
-           "-m", module, *args]  # fmt: skip
-    return finish(start(cmd, RUN_ID=run_id), 240)
+    return finish(start(launcher(["-m", module, *args]), RUN_ID=run_id), 240)
 
 
 @pytest.mark.distributed

@@ -22,6 +22,7 @@ from tests.helpers import (
     assert_same_training,  # feature:raw
     finish,
     free_port,
+    launcher,
     read_scalars,
     start,
     step_losses,
@@ -308,8 +309,7 @@ def test_launcher_exit_codes_follow_the_workers(tmp_path) -> None:
         "print('finished', flush=True)\n"
         "time.sleep(60 if sys.argv[1] == 'linger' else 0)  # e.g. a slow interpreter exit\n"
     )
-    cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
-           str(worker)]  # fmt: skip
+    cmd = launcher([str(worker)])
     proc = start([*cmd, "linger"])
     out = read_until(proc, "finished", 2)
     proc.send_signal(signal.SIGTERM)
@@ -344,8 +344,7 @@ def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
     leave the workers training; SIGTERM stopped them but the job exited 1."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER_THAT_STOPS)
-    proc = start([sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
-                  str(worker)])  # fmt: skip
+    proc = start(launcher([str(worker)]))
     out = read_until(proc, "ready", 2)
     proc.send_signal(signum)
     code, rest = finish(proc, 90)

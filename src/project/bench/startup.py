@@ -131,9 +131,8 @@ def run_once(trainer: str, nproc: int, overrides: list[str], work: Path) -> dict
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{trainer} x{nproc} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    from project.engine.shared.step_stats import (
-        STATS_FILE,  # imports torch: not in the child's timing
-    )
+    # Imports torch: here, not in the child's timing.
+    from project.engine.shared.step_stats import STATS_FILE
 
     first_step = json.loads((run_dir / STATS_FILE).read_text())["first_step_unix"]
     return phases(json.loads(marks_file.read_text()), launched, first_step)

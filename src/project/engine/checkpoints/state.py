@@ -18,12 +18,23 @@ import torch
 from project.engine.errors import UserError
 
 
+def numpy_state_saved(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A numpy RandomState's `get_state()` with its key array as a tensor (weights_only-safe)."""
+    name, keys, *rest = state
+    return (name, torch.from_numpy(keys.copy()), *rest)
+
+
+def numpy_state_loaded(saved: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`numpy_state_saved` back into what `RandomState.set_state()` takes."""
+    name, keys, *rest = saved
+    return (name, keys.cpu().numpy(), *rest)
+
+
 def rng_state() -> dict[str, Any]:
     """The python, numpy and torch (CPU and CUDA) RNG states."""
-    np_state = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "numpy": numpy_state_saved(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
     }
@@ -32,8 +43,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy(), *rest))
+    np.random.set_state(numpy_state_loaded(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -16,6 +16,7 @@ checkpoint, one file per rank beside the last checkpoint (project.engine.checkpo
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,22 +70,22 @@ class CommHook:
         """This rank's PowerSGD state (tensors and plain values: loads with weights_only)."""
         if self.state is None:
             return {}
+        from project.engine.checkpoints.state import numpy_state_saved
+
         slots = [s for s in type(self.state).__slots__ if s not in ("process_group", "rng")]
-        state = {s: getattr(self.state, s) for s in slots} | {"rng": _rng(self.state)}
+        rng = numpy_state_saved(self.state.rng.get_state())
+        state = {s: getattr(self.state, s) for s in slots} | {"rng": rng}
         return state | {"layouts": {i: list(names) for i, names in self.layouts.names.items()}}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from this rank's saved PowerSGD state."""
-        import numpy as np
+        from project.engine.checkpoints.state import numpy_state_loaded
 
         saved = dict(saved)
         self.layouts.names = {int(i): list(n) for i, n in saved.pop("layouts", {}).items()}
-        rng = saved.pop("rng", None)
+        self.state.rng.set_state(numpy_state_loaded(saved.pop("rng")))
         for key, value in saved.items():
             setattr(self.state, key, value)
-        if rng is not None:
-            name, keys, pos, has_gauss, cached = rng
-            self.state.rng.set_state((name, np.asarray(keys), pos, has_gauss, cached))
 
 
 class BucketLayouts:
@@ -95,8 +96,9 @@ class BucketLayouts:
     first step of every process, in the order gradients became ready. A run resumed from a
     checkpoint therefore takes its first step with another layout than the one the saved state
     was made with. This hook records each bucket's layout and, when it changes, moves every
-    parameter's slice of the error, P and Q tensors to its new place: the resumed run then
-    continues exactly as the uninterrupted one.
+    parameter's slice of the error, P and Q tensors to its new place. (The resumed run then
+    ends within the last bits of the uninterrupted one, not bitwise: that first step runs
+    PowerSGD's matrix products on tensors at other buffer offsets; docs/fault-tolerance.md.)
     """
 
     def __init__(self, state: Any, named_parameters: Any) -> None:
@@ -119,6 +121,11 @@ class BucketLayouts:
             self.join(index, names)
         return powerSGD_hook.powerSGD_hook(state, bucket)
 
+    def tables(self) -> dict[str, dict[int, Any]]:
+        """PowerSGD's per-bucket tensors: the error feedback, the P and the Q factors."""
+        s = self.state
+        return {"error": s.error_dict, "p": s.p_memory_dict, "q": s.q_memory_dict}
+
     def slices(self, names: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
         """Each parameter's (offset, length) in the bucket's error, P and Q tensors (as
         powerSGD_hook lays them out: P and Q grouped by matrix shape, first seen first)."""
@@ -128,7 +135,7 @@ class BucketLayouts:
         offset, groups = 0, {}
         for name in names:
             shape = self.shapes[name]
-            numel = int(torch_numel(shape))
+            numel = math.prod(shape)
             out[name] = {"error": (offset, numel)}
             offset += numel
             n, m = shape[0], numel // shape[0]
@@ -144,8 +151,7 @@ class BucketLayouts:
 
     def split_all(self) -> None:
         """Every bucket's state into per-parameter pieces (by the layouts it was made with)."""
-        dicts = {"error": self.state.error_dict, "p": self.state.p_memory_dict,
-                 "q": self.state.q_memory_dict}  # fmt: skip
+        dicts = self.tables()
         for index, names in self.names.items():
             for name, where in self.slices(names).items():
                 for key, (start, length) in where.items():
@@ -159,10 +165,8 @@ class BucketLayouts:
         """Bucket `index`'s state, assembled from the pieces in its new layout."""
         import torch
 
-        dicts = {"error": self.state.error_dict, "p": self.state.p_memory_dict,
-                 "q": self.state.q_memory_dict}  # fmt: skip
         where = self.slices(names)
-        for key, table in dicts.items():
+        for key, table in self.tables().items():
             parts = [self.pieces[n][key] for n in names if key in where[n]]
             if parts and all(key in self.pieces[n] for n in names if key in where[n]):
                 table[index] = torch.cat(parts).clone()
@@ -170,14 +174,7 @@ class BucketLayouts:
             self.pieces.pop(name, None)
 
 
-def torch_numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
-
-
-def state_file(last: Path, step: int, rank: int) -> Path:
+def state_file(last: Path, step: int | str, rank: int) -> Path:
     """Where rank `rank` keeps its hook state for the checkpoint of optimizer step `step`."""
     return last.with_name(f"{last.stem}.comm_hook.step{step}.rank{rank}.pt")
 
@@ -201,8 +198,9 @@ def prune_state(hook: CommHook | None, last: Path, step: int) -> None:
         return
     import torch.distributed as dist
 
-    keep = state_file(last, step, dist.get_rank())
-    for path in last.parent.glob(f"{last.stem}.comm_hook.step*.rank{dist.get_rank()}.pt"):
+    rank = dist.get_rank()
+    keep = state_file(last, step, rank)
+    for path in last.parent.glob(state_file(last, "*", rank).name):
         if path != keep:
             path.unlink(missing_ok=True)
 
@@ -243,20 +241,3 @@ def _bf16_gloo(state, bucket):  # no annotations: DDP checks them against dist.G
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(state, bucket)
-
-
-def _rng(state: Any) -> tuple[Any, ...]:
-    """PowerSGD's numpy RandomState as plain values and a tensor (weights_only-safe)."""
-    import torch
-
-    name, keys, pos, has_gauss, cached = state.rng.get_state()
-    return (name, torch.from_numpy(keys.copy()), pos, has_gauss, cached)
-
-
-def build(strategy: dict[str, Any] | None) -> CommHook | None:
-    """The `strategy.comm_hook` config (a plain dict) as a CommHook, or None."""
-    spec = dict((strategy or {}).get("comm_hook") or {})
-    if not spec:
-        return None
-    spec.pop("_target_", None)
-    return CommHook(**spec)

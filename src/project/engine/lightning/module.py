@@ -74,10 +74,10 @@ class TaskModule(DirectHookName, pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._step(batch, "train")
+        self.throughput.count(self.task.count(batch))
         # The per-step loss is this rank's own (no collective per step; epoch values are
         # synced). Only on the steps the logger writes: each self.log call re-walks Lightning's
         # result object, which costs more than a small model's step (docs/performance.md).
-        self.throughput.count(self.task.count(batch))
         every = self.trainer.log_every_n_steps
         if self.trainer.fast_dev_run or (every and (self.global_step + 1) % every == 0):
             self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)

@@ -395,14 +395,13 @@ class RawTrainer:
 
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
-        began = time.monotonic()
-        comm_hooks.save_state(self.comm_hook, self.last_path(), self.global_step)  # every rank
+        began, path = time.monotonic(), self.last_path()
+        comm_hooks.save_state(self.comm_hook, path, self.global_step)  # every rank its own
         if self.is_zero:
-            path = self.last_path()
             atomic_save(self.state_dict(), path)
             log.info(f"Saved {path} at step {self.global_step}")
         self.barrier()
-        comm_hooks.prune_state(self.comm_hook, self.last_path(), self.global_step)
+        comm_hooks.prune_state(self.comm_hook, path, self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
 
     def save_best(self, metrics: dict[str, float]) -> None:
