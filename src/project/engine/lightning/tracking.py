@@ -84,10 +84,11 @@ class MLflowRun(MLFlowLogger):
         kept = Path(self.run_dir) / RUN_ID_FILE
         if not kept.is_file():
             return None
+        run_id = kept.read_text().strip()
         try:
-            return self._mlflow_client.get_run(kept.read_text().strip()).info.run_id
+            return self._mlflow_client.get_run(run_id).info.run_id
         except Exception:  # that run is gone from the store (a new store, a deleted run)
-            log.warning(f"MLflow run {kept.read_text().strip()} of {kept} is gone: a new run")
+            log.warning(f"MLflow run {run_id} of {kept} is gone: a new run")
             return None
 
     @rank_zero_only
