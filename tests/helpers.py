@@ -160,6 +160,17 @@ def launcher(target: Sequence[str], nproc: int = 2) -> list[str]:
             *target]  # fmt: skip
 
 
+def user_data(tmp_path: Path, target: str, **params: object) -> list[str]:
+    """Overrides that train on the datamodule tests.user_data.<target>, which records what it
+    reads in `tmp_path` (a data config written there, found through hydra.searchpath)."""
+    configs = tmp_path / "configs" / "data"
+    configs.mkdir(parents=True, exist_ok=True)
+    lines = [f"_target_: tests.user_data.{target}", f"record_dir: {tmp_path}"]
+    lines += [f"{key}: {value}" for key, value in params.items()]
+    (configs / "user.yaml").write_text("\n".join(lines))
+    return ["data=user", f"hydra.searchpath=[file://{tmp_path}/configs]", *QUIET]
+
+
 def options(group: str) -> list[str]:
     """The option names of a config group (its YAML files)."""
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
@@ -236,3 +247,21 @@ def assert_same_training(lightning: Path, raw: Path) -> None:
     assert {"val/loss", "test/loss"} <= set(shared)
     for key in shared:
         assert metrics[0][key] == pytest.approx(metrics[1][key], abs=1e-6), key
+
+
+def run_trainer(module: str, args: list[str], run_dir: Path, nproc: int = 1) -> dict:
+    """Train `module` with `args` into `run_dir` (under torchrun with `nproc` processes);
+    returns its step_stats.json."""
+    cmd = torchrun(["-m", module, *args, f"hydra.run.dir={run_dir}"], nproc)
+    code, out = finish(start(cmd, **(exit_check_env() if nproc > 1 else {})), timeout=240)
+    assert code == 0, out[-4000:]
+    if nproc > 1:
+        assert_groups_closed(out, nproc)
+    return json.loads((run_dir / "step_stats.json").read_text())
+
+
+def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
+    """Both trainers on `args` (into tmp/lightning and tmp/raw) train identically."""
+    for module, trainer in (("project.train", "lightning"), ("project.raw_train", "raw")):
+        run_trainer(module, args, tmp / trainer, nproc)
+    assert_same_training(tmp / "lightning", tmp / "raw")

@@ -33,8 +33,14 @@ def test_every_group_has_options() -> None:
 
 
 @pytest.mark.parametrize("option", options("data"))
-def test_data_options(compose_train, option: str) -> None:
-    dm = instantiate(compose_train([f"data={option}"]).data)
+def test_data_options(compose_train, option: str, tmp_path: Path) -> None:
+    overrides = [f"data={option}"]
+    if option == "chars_stream":  # reads shards written beforehand
+        from project.data.prepare import main as prepare
+
+        prepare(["--out", str(tmp_path / "shards"), "--windows-per-shard", "500"])
+        overrides.append(f"data.dataset.folder={tmp_path / 'shards'}")
+    dm = instantiate(compose_train(overrides).data)
     dm.prepare_data()
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))

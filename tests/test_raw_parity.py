@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -14,14 +13,10 @@ from project.engine.raw.keys import classify
 from tests.helpers import (
     CHARLM,
     SHORT_STATS,
-    assert_groups_closed,
+    assert_parity,
     assert_same_training,
-    exit_check_env,
-    finish,
     options,
     run_script,
-    start,
-    torchrun,
 )
 
 
@@ -87,21 +82,6 @@ def test_every_adapter_argument_is_classified(group: str, adapter: str) -> None:
     params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
     unknown = [p for p in params if classify(f"{group}.{p}") is None]
     assert not unknown, f"{adapter} arguments the raw trainer does not classify: {unknown}"
-
-
-def run_trainer(module: str, args: list[str], run_dir: Path, nproc: int = 1) -> dict:
-    cmd = torchrun(["-m", module, *args, f"hydra.run.dir={run_dir}"], nproc)
-    code, out = finish(start(cmd, **(exit_check_env() if nproc > 1 else {})), timeout=240)
-    assert code == 0, out[-4000:]
-    if nproc > 1:
-        assert_groups_closed(out, nproc)
-    return json.loads((run_dir / "step_stats.json").read_text())
-
-
-def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
-    for module, trainer in (("project.train", "lightning"), ("project.raw_train", "raw")):
-        run_trainer(module, args, tmp / trainer, nproc)
-    assert_same_training(tmp / "lightning", tmp / "raw")
 
 
 def test_parity_float16_mixed_precision_on_cpu(base_args, tmp_path) -> None:

@@ -1,18 +1,24 @@
-"""Every loader sharded across ranks: the template's, and a user's plain DataLoader."""
+"""Every loader sharded across ranks: the template's, a user's plain DataLoader, a user's
+custom sampler or batch sampler; data of another length on one rank refused."""
 
 from __future__ import annotations
 
 import collections
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
 from project.engine.errors import UserError
+from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.shared import sharding
-from project.engine.shared.sharding import EvalShardSampler, ResumableSampler, shard_loader
-from tests.helpers import QUIET, finish, start, torchrun
+from project.engine.shared.samplers import EvalShardSampler, ResumableSampler, ShardedDraws
+from project.engine.shared.sharding import resume_at, set_epoch, shard_loader
+from tests.helpers import assert_same_weights, finish, launcher, start, torchrun, user_data
+from tests.user_data import balancing_weights
 
 DATA = TensorDataset(torch.arange(101))
 
@@ -31,7 +37,7 @@ def test_a_plain_shuffled_loader_is_sharded_and_resumable() -> None:
     assert set(seen[0]) | set(seen[1]) == set(range(101)) and len(seen[0]) == len(seen[1]) == 51
     assert shards[0].batch_size == 10 and seen[0] != sorted(seen[0])  # shuffled
     assert indices(shards[0]) == seen[0]  # the order is a function of (seed, epoch) only
-    shards[0].sampler.skip_batches(2, 10)
+    assert resume_at(shards[0], 0, 2)
     assert indices(shards[0]) == seen[0][20:]  # a mid-epoch resume continues where it was
 
 
@@ -61,21 +67,19 @@ class Stream(IterableDataset):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(
-    "loader, what",
-    [
-        (DataLoader(Stream(), batch_size=2), "IterableDataset"),
-        (DataLoader(DATA, sampler=WeightedRandomSampler([1.0] * 101, 101)), "custom sampler"),
-    ],
-)
-def test_what_cannot_be_sharded_stops_a_multi_process_run(
-    loader, what, caplog, monkeypatch
-) -> None:
+def test_what_cannot_be_sharded_stops_a_multi_process_run(caplog, monkeypatch) -> None:
     monkeypatch.setattr(sharding, "_warned", set())  # the warning is once per process
-    with pytest.raises(UserError, match=f"cannot be sharded across the 2 processes.*{what}"):
+    loader = DataLoader(Stream(), batch_size=2)
+    with pytest.raises(UserError, match=r"cannot be sharded across the 2 processes.*ShardedStream"):
         shard_loader(loader, "train", 2, 0, 0)
     assert shard_loader(loader, "train", 1, 0, 0) is loader  # one process: used as it is
     assert "not exact" in caplog.text  # ... with one warning about mid-epoch resume
+
+
+def reads(tmp_path: Path, split: str) -> list[list[int]]:
+    """What each rank read of `split`, in order."""
+    lines = [(tmp_path / f"reads-rank{r}.txt").read_text().split("\n") for r in (0, 1)]
+    return [[int(x.split()[1]) for x in rank if x.startswith(split)] for rank in lines]
 
 
 @pytest.mark.distributed
@@ -83,18 +87,163 @@ def test_a_user_datamodule_is_sharded_under_ddp(tmp_path: Path, base_args) -> No
     """A LightningDataModule returning DataLoader(dataset, shuffle=True), as Lightning's docs
     write it, under 2-process torchrun: the ranks split the train set and every validation
     sample is counted once."""
-    (tmp_path / "configs" / "data").mkdir(parents=True)
-    (tmp_path / "configs" / "data" / "user.yaml").write_text(
-        f"_target_: tests.user_data.PlainDataModule\nrecord_dir: {tmp_path}\n"
-    )
-    cmd = [*torchrun(["-m", "project.train"]), *base_args, "data=user",
-           f"hydra.searchpath=[file://{tmp_path}/configs]",
+    cmd = [*torchrun(["-m", "project.train"]), *base_args, *user_data(tmp_path, "PlainDataModule"),
            "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "test=false",
-           f"hydra.run.dir={tmp_path}/run", *QUIET]  # fmt: skip
+           f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
     code, out = finish(start(cmd), timeout=180)
     assert code == 0, out[-3000:]
-    reads = {r: (tmp_path / f"reads-rank{r}.txt").read_text().split("\n") for r in (0, 1)}
-    train = [{int(x.split()[1]) for x in reads[r] if x.startswith("train")} for r in (0, 1)]
-    assert train[0] | train[1] == set(range(400)) and not train[0] & train[1]
-    val = collections.Counter(x for r in (0, 1) for x in reads[r] if x.startswith("val"))
-    assert len(val) == 101 and set(val.values()) == {1}
+    train, val = reads(tmp_path, "train"), reads(tmp_path, "val")
+    assert set(train[0]) | set(train[1]) == set(range(400)) and not set(train[0]) & set(train[1])
+    assert collections.Counter(val[0] + val[1]) == collections.Counter(range(101))
+
+
+# --- a user's own sampler or batch sampler ---------------------------------------------------
+def weighted_draws(n: int, seed: int) -> list[int]:
+    """What WeightedRandomSampler(balancing_weights(n), n) draws when seeded with `seed`."""
+    weights = torch.tensor(balancing_weights(n), dtype=torch.double)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.multinomial(weights, n, True, generator=generator).tolist()
+
+
+def rank_shares(draws: list[int], world: int) -> list[list[int]]:
+    """Each rank's share of one epoch's draws: r, r+w, ... of the draws padded to a multiple
+    of w with the first ones (as DistributedSampler pads)."""
+    padded = draws + draws[: -len(draws) % world]
+    return [padded[r::world] for r in range(world)]
+
+
+@pytest.mark.quick
+def test_a_weighted_sampler_is_shared_out_draw_by_draw() -> None:
+    """Each rank takes its share of the same seeded draws: no draw taken twice, the class
+    balance of the weights kept, a new draw every epoch, and a mid-epoch resume continues."""
+    n = 101
+    plain = DataLoader(DATA, batch_size=8, sampler=WeightedRandomSampler(balancing_weights(n), n))
+    shards = [shard_loader(plain, "train", 2, r, seed=5) for r in (0, 1)]
+    assert all(isinstance(s.sampler, ShardedDraws) and s.batch_size == 8 for s in shards)
+    for epoch in (0, 1):
+        for shard in shards:
+            set_epoch(shard, epoch)
+        assert [indices(s) for s in shards] == rank_shares(weighted_draws(n, 5 + epoch), 2)
+    assert len(shards[0]) == len(shards[1]) == 7  # 51 draws each: the same number of steps
+    drawn = indices(shards[0]) + indices(shards[1])
+    assert abs(sum(i % 10 == 0 for i in drawn) / len(drawn) - 0.5) < 0.15  # balanced classes
+    whole = indices(shards[1])
+    assert resume_at(shards[1], 1, 3) and indices(shards[1]) == whole[24:]
+    set_epoch(shards[1], 0)
+    assert indices(shards[1]) == rank_shares(weighted_draws(n, 5), 2)[1]  # that epoch only
+
+
+class Pairs(torch.utils.data.Sampler):
+    """A custom batch sampler: batches of 2 neighbours, in a random order of pairs."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __iter__(self):
+        return iter([[2 * p, 2 * p + 1] for p in torch.randperm(50).tolist()])
+
+
+@pytest.mark.quick
+def test_a_custom_batch_sampler_is_shared_out_batch_by_batch() -> None:
+    plain = DataLoader(DATA, batch_sampler=Pairs())
+    shards = [shard_loader(plain, "train", 2, r, seed=1) for r in (0, 1)]
+    batches = [[b.tolist() for (b,) in s] for s in shards]
+    assert len(batches[0]) == len(batches[1]) == len(shards[0]) == 25
+    assert all(b[1] == b[0] + 1 and b[0] % 2 == 0 for b in batches[0] + batches[1])  # kept whole
+    assert sorted(i for b in batches[0] + batches[1] for i in b) == list(range(100))
+    assert [[b.tolist() for (b,) in s] for s in shards] == batches  # seeded, not global RNG
+    assert resume_at(shards[0], 0, 20) and [b.tolist() for (b,) in shards[0]] == batches[0][20:]
+    val = [[b.tolist() for (b,) in shard_loader(plain, "val", 3, r, 1)] for r in range(3)]
+    assert sorted(i for v in val for b in v for i in b) == list(range(100))  # once, no padding
+
+
+class Unrepeatable(torch.utils.data.Sampler):
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)  # its own state: every pass draws anew
+
+    def __len__(self) -> int:
+        return 101
+
+    def __iter__(self):
+        return iter(self.rng.permutation(101).tolist())
+
+
+class Endless(torch.utils.data.Sampler):
+    def __iter__(self):
+        return iter(range(10**9))
+
+
+class Lying(torch.utils.data.Sampler):
+    def __len__(self) -> int:
+        return 50
+
+    def __iter__(self):
+        return iter(range(40))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "sampler, needle",
+    [
+        (Unrepeatable(), "draws differently on two passes with the same seed"),
+        (Endless(), "has no length, so the ranks cannot agree how many steps"),
+        (Lying(), "says it has 50 draws but made 40"),
+    ],
+)
+def test_a_sampler_the_ranks_cannot_share_is_one_line(sampler, needle) -> None:
+    with pytest.raises(UserError, match=needle) as err:
+        shard_loader(DataLoader(DATA, sampler=sampler), "train", 2, 0, 0)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launch", ["lightning", "torchrun"])
+def test_a_weighted_sampler_trains_under_ddp(tmp_path: Path, base_args, launch: str) -> None:
+    """A user's WeightedRandomSampler under Lightning's launcher and under torchrun: each rank
+    reads its share of the same seeded draws (none taken twice), every epoch anew, and the
+    draws keep the weights' class balance."""
+    args = [*base_args, *user_data(tmp_path, "WeightedDataModule"), "seed=7",
+            "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0", "test=false",
+            f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
+    if launch == "lightning":
+        cmd = [sys.executable, "-m", "project.train", *args, "trainer.devices=2"]
+    else:
+        cmd = [*torchrun(["-m", "project.train"]), *args]
+    code, out = finish(start(cmd), timeout=180)
+    assert code == 0, out[-3000:]
+    epochs = [rank_shares(weighted_draws(400, 7 + epoch), 2) for epoch in (0, 1)]
+    assert reads(tmp_path, "train") == [epochs[0][r] + epochs[1][r] for r in (0, 1)]
+    drawn = [i for rank in reads(tmp_path, "train") for i in rank]
+    assert abs(sum(i % 10 == 0 for i in drawn) / len(drawn) - 0.5) < 0.06  # 1 in 10 without
+
+
+@pytest.mark.distributed
+def test_a_weighted_sampler_resumes_exactly_after_a_preemption(
+    tmp_path: Path, base_args, log_dir: Path
+) -> None:
+    """Stopped mid-epoch under the template's torchrun and rerun, the run ends with the weights
+    of one that was never stopped."""
+    args = [*base_args, *user_data(tmp_path, "WeightedDataModule"), "trainer.max_epochs=3",
+            "test=false", "callbacks.early_stopping=null"]  # fmt: skip
+    cut = [*args, "fault_injection.at_step=15", "fault_injection.mode=sigterm"]
+    jobs = [start(launcher(["-m", "project.train", *a]), RUN_ID=run) for a, run in
+            ((args, "whole"), (cut, "cut"))]  # fmt: skip
+    (whole, _), (stopped, out) = (finish(job, 240) for job in jobs)
+    assert whole == 0 and stopped == EXIT_PREEMPTED, out[-3000:]
+    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="cut"), 240)
+    assert code == 0 and "skipping" in out, out[-3000:]
+    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/cut")
+
+
+@pytest.mark.distributed
+def test_data_of_another_length_on_one_rank_is_one_line_on_every_rank(
+    tmp_path: Path, base_args
+) -> None:
+    data = user_data(tmp_path, "RankDependentDataModule")
+    cmd = [*launcher(["-m", "project.train"]), *base_args, *data, f"hydra.run.dir={tmp_path}/run"]
+    code, out = finish(start(cmd), timeout=120)
+    assert code == EXIT_BAD_INPUT, out[-3000:]
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2 and "Traceback" not in out, out[-3000:]
+    assert all("the train data has" in e and "between 400 and 420" in e for e in errors), errors
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,6 +1,7 @@
-"""A LightningDataModule written the way Lightning's docs show it (plain DataLoaders, no
-sharding, no resumable sampler): what a user brings. Every sample read is recorded in
-<record_dir>/reads-rank<R>.txt so tests can see which rank read what."""
+"""LightningDataModules written the way Lightning's docs show them (plain DataLoaders, no
+sharding, no resumable sampler), a weighted sampler, a user's own sharded stream, and a bug:
+what users bring. Every sample read is recorded in <record_dir>/reads-rank<R>[-worker<W>].txt
+so tests can see which rank (and worker) read what."""
 
 from __future__ import annotations
 
@@ -8,23 +9,30 @@ import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler, get_worker_info
+
+from project.data.stream import ShardedStream
+
+
+def rank() -> int:
+    """This process's global rank under any launcher (torchrun's or Lightning's)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 class Recorded(Dataset):
     """n samples of 64 features and a class 0-9, a fixed function of the index."""
 
     def __init__(self, split: str, n: int, offset: int, record_dir: str) -> None:
-        self.split, self.n, self.offset = split, n, offset
-        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
-        self.record = Path(record_dir) / f"reads-rank{rank}.txt"
+        self.split, self.n, self.offset, self.record_dir = split, n, offset, record_dir
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with open(self.record, "a") as f:
+        with open(Path(self.record_dir) / f"reads-rank{rank()}.txt", "a") as f:
             f.write(f"{self.split} {i}\n")
         g = torch.Generator().manual_seed(self.offset + i)
         x = torch.rand(64, generator=g)
@@ -47,3 +55,90 @@ class PlainDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+
+class Imbalanced(Recorded):
+    """One sample in ten is class 1, the rest class 0: the case WeightedRandomSampler is for."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = super().__getitem__(i)
+        return x, torch.tensor(int(i % 10 == 0))
+
+
+def balancing_weights(n: int) -> list[float]:
+    """Weights that draw both classes of `Imbalanced(n)` equally often."""
+    return [9.0 if i % 10 == 0 else 1.0 for i in range(n)]
+
+
+class WeightedDataModule(PlainDataModule):
+    """Training draws from a WeightedRandomSampler, as a user balancing classes writes it."""
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        self.train_set = Imbalanced("train", self.hparams.n_train, 0, self.hparams.record_dir)
+
+    def train_dataloader(self) -> DataLoader:
+        n = self.hparams.n_train
+        sampler = WeightedRandomSampler(balancing_weights(n), num_samples=n)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler)
+
+
+class ShardFiles(ShardedStream):
+    """A user's stream over .npy files of sample ids (one file a shard): sample v is 64
+    features and the class v % 10. Reads are recorded per rank and DataLoader worker."""
+
+    def __init__(self, split: str, folder: str, record_dir: str) -> None:
+        self.files = sorted(Path(folder).glob("*.npy"))
+        super().__init__([len(np.load(f, mmap_mode="r")) for f in self.files])
+        self.split, self.record_dir = split, record_dir
+
+    def read(self, shard: int) -> Samples:
+        return Samples(np.load(self.files[shard]), self)
+
+    def sample(self, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+        info = get_worker_info()
+        where = Path(self.record_dir) / f"reads-rank{rank()}-worker{info.id if info else 0}.txt"
+        with open(where, "a") as f:
+            f.write(f"{self.split} {v}\n")
+        x = torch.rand(64, generator=torch.Generator().manual_seed(v))
+        x[-1] = v  # the id, so a test can tell the samples of a batch
+        return x, torch.tensor(v % 10)
+
+
+class Samples:
+    """A shard's samples, made (and recorded) only when indexed."""
+
+    def __init__(self, ids: np.ndarray, stream: ShardFiles) -> None:
+        self.ids, self.stream = ids, stream
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.stream.sample(int(self.ids[i]))
+
+
+class StreamDataModule(pl.LightningDataModule):
+    """Train and validation streams over the shard files of `folder`, read by 2 workers."""
+
+    def __init__(self, folder: str, record_dir: str, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def _loader(self, split: str) -> DataLoader:
+        h = self.hparams
+        stream = ShardFiles(split, h.folder, h.record_dir)
+        return DataLoader(stream, batch_size=h.batch_size, num_workers=2)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+
+class RankDependentDataModule(PlainDataModule):
+    """A bug users hit: each rank builds a train set of another length (e.g. node-local
+    folders that differ)."""
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        extra = rank() * 20
+        self.train_set = Recorded("train", self.hparams.n_train + extra, 0, self.hparams.record_dir)

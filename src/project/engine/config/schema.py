@@ -74,6 +74,7 @@ class DataSchema:
     num_workers: int | None = bounds(ge=0)
     pin_memory: bool | None = None
     persistent_workers: bool | None = None
+    shuffle: bool | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from project.engine.checkpoints.state import atomic_save, project_state, rng_sta
 from project.engine.launch import comm_hooks, faults
 from project.engine.launch.signals import StopSignal
 from project.engine.private_api import skip_sigterm_broadcast
+from project.engine.shared import sharding
 from project.engine.shared.step_stats import StepStats
 
 log = logging.getLogger("project.engine.lightning.callbacks")
@@ -38,8 +39,8 @@ class FaultTolerance(pl.Callback):
       resumes exactly), and the last one when training ends, marked finished. Lightning's
       ModelCheckpoint(save_last=True) is not used for this: it refreshes last.ckpt only
       when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
-    - Exact resume: the RNG states travel in the checkpoint, and a mid-epoch checkpoint makes
-      the resumed epoch skip the batches already trained on (shared.sharding.ResumableSampler).
+    - Exact resume: the RNG states travel in the checkpoint; the train loader skips the
+      batches a mid-epoch checkpoint had done (lightning.datamodule.start_where_fit_resumes).
     """
 
     def __init__(self, dirpath: str, filename: str = LAST_CKPT, **cadences: Any) -> None:
@@ -68,11 +69,6 @@ class FaultTolerance(pl.Callback):
         if self._rng_to_restore is not None:  # resuming: continue the interrupted RNG streams
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
-            loader = trainer.train_dataloader
-            if 0 < done < trainer.num_training_batches and hasattr(loader.sampler, "skip_batches"):
-                loader.sampler.skip_batches(done, loader.batch_size)
-                log.info(f"Resuming mid-epoch: skipping the {done} batches already trained on")
             resumed, device = Path(trainer.ckpt_path), trainer.strategy.root_device
             step, hook = trainer.global_step, comm_hook(trainer)  # PowerSGD's per-rank state
             comm_hooks.load_state(hook, resumed, step, device, required=resumed == self.path)
@@ -82,6 +78,12 @@ class FaultTolerance(pl.Callback):
         self.stop.mark_saved(trainer.global_step)  # a resumed run starts from a checkpoint
         if not skip_sigterm_broadcast(trainer):  # the check below does its job every few steps
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning sets the epoch on samplers, not on an iterable dataset (a ShardedStream):
+        # this runs before each later epoch's iterator is made (the first: datamodule.py).
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        sharding.set_epoch(trainer.train_dataloader, epoch)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int

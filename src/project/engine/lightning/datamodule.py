@@ -9,6 +9,7 @@ code the raw trainer runs.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,8 +19,10 @@ from torch.utils.data import DataLoader
 
 from project.data.source import SPLITS
 from project.engine.config.compose import to_plain
+from project.engine.shared import sharding
 from project.engine.shared.loaders import build_source, plain_loader
-from project.engine.shared.sharding import shard_loaders
+
+log = logging.getLogger("project.engine.lightning.datamodule")
 
 
 class DataModule(pl.LightningDataModule):
@@ -33,6 +36,7 @@ class DataModule(pl.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         dataset = to_plain(dataset)
@@ -50,7 +54,7 @@ class DataModule(pl.LightningDataModule):
         h = self.hparams
         return plain_loader(
             self.sets[stage], stage, h.batch_size, h.num_workers, h.pin_memory,
-            h.persistent_workers,
+            h.persistent_workers, h.shuffle,
         )  # fmt: skip
 
     def transfer_batch_to_device(
@@ -87,6 +91,23 @@ def shard_datamodule(datamodule: pl.LightningDataModule, seed: int) -> None:
         def sharded(original: Any = original, stage: str = stage) -> Any:
             trainer = datamodule.trainer
             world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-            return shard_loaders(original(), stage, world, rank, seed)
+            loaders = sharding.shard_loaders(original(), stage, world, rank, seed)
+            if stage == "train" and trainer is not None:
+                start_where_fit_resumes(loaders, trainer)
+            return loaders
 
         setattr(datamodule, name, sharded)
+
+
+def start_where_fit_resumes(loader: Any, trainer: pl.Trainer) -> None:
+    """Give the train loader the epoch, and after a mid-epoch checkpoint the batches already
+    done, before Lightning makes its first iterator (its fit loop does that before any hook
+    runs, and DataLoader workers copy the order then). Lightning itself sets the epoch later,
+    on samplers only, and continues a resumed epoch without skipping anything."""
+    fit = trainer.fit_loop
+    epoch = fit.epoch_progress.current.processed  # what Lightning gives samplers' set_epoch
+    sharding.set_epoch(loader, epoch)
+    started_not_done = fit.restarting and fit.epoch_progress.current.started > epoch
+    done = fit.epoch_loop.batch_progress.current.completed if started_not_done else 0
+    if done and sharding.resume_at(loader, epoch, done):
+        log.info(f"Resuming mid-epoch: skipping the {done} batches already trained on")

@@ -53,10 +53,10 @@ from project.engine.launch import comm_hooks, ddp, env, faults
 from project.engine.launch.exits import Preempted, close_process_group
 from project.engine.launch.signals import StopSignal
 from project.engine.raw.keys import check_config
+from project.engine.shared import sharding
 from project.engine.shared.loaders import build_source, plain_loader
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
-from project.engine.shared.sharding import shard_loader
 from project.engine.shared.step_stats import StepStats
 from project.engine.shared.throughput import Throughput
 from project.tasks.task import STAGES, build_task
@@ -159,9 +159,10 @@ class RawTrainer:
         if self.local_rank == 0:
             source.prepare()
         self.barrier()
-        loading = (d.batch_size, d.num_workers, d.pin_memory, d.persistent_workers)
+        loading = (d.batch_size, d.num_workers, d.pin_memory, d.persistent_workers,
+                   d.get("shuffle", True))  # fmt: skip
         self.loaders = {
-            s: shard_loader(plain_loader(source.dataset(s), s, *loading), s, self.world,
+            s: sharding.shard_loader(plain_loader(source.dataset(s), s, *loading), s, self.world,
                             self.rank, self.cfg.seed)
             for s in SPLITS
         }  # fmt: skip
@@ -308,10 +309,9 @@ class RawTrainer:
         t, loader = self.cfg.trainer, self.loaders["train"]
         accumulate = int(t.get("accumulate_grad_batches") or 1)
         n_train = self.n_batches("train")
-        loader.sampler.set_epoch(epoch)  # parity: a new shuffle each epoch, as Lightning
+        sharding.set_epoch(loader, epoch)  # parity: a new shuffle each epoch, as Lightning
         first = self.batch_in_epoch
-        if first:  # resuming mid-epoch: skip what was trained on
-            loader.sampler.skip_batches(first, loader.batch_size)
+        if first and sharding.resume_at(loader, epoch, first):  # skip what was trained on
             log.info(f"Resuming mid-epoch: skipping {first} batches")
         lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
         self.log_scalar(lr_name, self.optimizer.param_groups[0]["lr"], self.global_step)

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
 from project.data.source import DataSource
+from project.data.stream import ShardedStream
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
 
@@ -34,10 +35,15 @@ def plain_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     persistent_workers: bool = False,
+    shuffle: bool = True,
 ) -> DataLoader:
-    """What a user would write: shuffled for training, in order otherwise (both trainers'
-    loaders, from the `data` config's loading keys)."""
+    """What a user would write: shuffled for training (unless `shuffle` is off), in order
+    otherwise (both trainers' loaders, from the `data` config's loading keys). A stream
+    shuffles itself (project.data.stream), so it is told instead of the DataLoader."""
+    shuffle = shuffle and stage == "train"
+    if isinstance(dataset, ShardedStream):
+        dataset.shuffle, shuffle = shuffle, False
     return DataLoader(
-        dataset, batch_size=batch_size, shuffle=stage == "train", num_workers=num_workers,
+        dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
         pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0,
     )  # fmt: skip

@@ -1,0 +1,87 @@
+"""A folder of shards on disk (or in an object store): `.npy` arrays and an `index.json`.
+
+    <folder>/index.json             {"format": ..., "shards": [{"file", "elements", "bytes"}], ...}
+    <folder>/shard-00000.npy ...    one numpy array each, memory-mapped when read
+
+The index is written last, so a folder with an index is complete. Every reader checks the
+index against the files before training starts (a missing, truncated or half-copied shard is
+one line on every rank, not a crash on one rank mid-epoch). A folder may be a URL that fsspec
+opens (`s3://bucket/prefix` with `pip install -e .[stream]`): shards are then downloaded to a
+local cache when first read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from project.data.source import save_array
+from project.engine.errors import UserError
+
+INDEX = "index.json"
+FORMAT = "project-shards/1"
+PREPARE = "python -m project.data.prepare"
+
+
+def write_shards(folder: Path, arrays: list[np.ndarray], elements: list[int], **meta: Any) -> None:
+    """Write `arrays` as shards of `folder` (array i holds `elements[i]` elements), then the
+    index with `meta`. Files are written atomically; the index goes last."""
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, (array, n) in enumerate(zip(arrays, elements, strict=True)):
+        path = folder / f"shard-{i:05d}.npy"
+        save_array(path, array)
+        entries.append({"file": path.name, "elements": int(n), "bytes": path.stat().st_size})
+    index = {"format": FORMAT, "shards": entries, **meta}
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{INDEX}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f, indent=1)
+    os.replace(tmp, folder / INDEX)
+
+
+def read_index(folder: str) -> dict[str, Any]:
+    """`folder`'s index, checked against its files; a one-line UserError says what is wrong."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    if not fs.exists(root):
+        raise UserError(f"the shard folder {folder} does not exist: write it with {PREPARE}")
+    try:
+        with fs.open(f"{root}/{INDEX}") as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise UserError(
+            f"the shard folder {folder} has no {INDEX} (empty, or its writing was cut short): "
+            f"write it again with {PREPARE}"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{folder}/{INDEX} is not valid JSON ({err}): write it again") from None
+    if index.get("format") != FORMAT or not index.get("shards"):
+        raise UserError(f"{folder}/{INDEX} lists no shards of {FORMAT}: write it with {PREPARE}")
+    sizes = {Path(p).name: s for p, s in ((p, fs.size(p)) for p in fs.glob(f"{root}/*.npy"))}
+    for entry in index["shards"]:
+        found = sizes.get(entry["file"])
+        if found != entry["bytes"]:
+            state = "is missing" if found is None else f"has {found} bytes"
+            raise UserError(
+                f"shard {folder}/{entry['file']} {state}, the index says {entry['bytes']}: the "
+                f"folder is corrupt or half-copied; write it again with {PREPARE}"
+            )
+    return index
+
+
+def load_shard(folder: str, entry: dict[str, Any]) -> np.ndarray:
+    """One shard's array, memory-mapped (a remote shard is first copied to a local cache)."""
+    url = f"{folder}/{entry['file']}"
+    path = fsspec.open_local(f"simplecache::{url}") if "://" in folder else url
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"shard {url} cannot be read ({err}): the folder is corrupt; write it again with "
+            f"{PREPARE}"
+        ) from None

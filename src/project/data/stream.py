@@ -1,0 +1,109 @@
+"""Iterable data stored as shards, split across ranks and DataLoader workers by position.
+
+Subclass `ShardedStream`, give it the shards' lengths and a `read(shard)` that returns the
+shard's elements with random access (a memory-mapped array, a decoded file): the machinery
+(project.engine.shared.sharding) tells it the world, rank and batch size, and it yields this
+rank's part in an order that is a pure function of (seed, epoch):
+
+- the epoch's order: shards in a seeded order, each shard's elements in a seeded order (both
+  only when `shuffle`), the same on every rank;
+- rank r of w takes a contiguous block of that order, so it opens about 1/w of the shards.
+  Training blocks all have ceil(n/w) positions (the last ones wrap to the epoch's first
+  elements, as DistributedSampler pads), so every rank runs the same number of steps and no
+  rank waits in a collective for one that ran out; validation/test blocks do not wrap (each
+  element exactly once; evaluation runs no per-batch collective);
+- the block is cut into batches, and batch b goes to DataLoader worker b % num_workers: the
+  DataLoader collects workers round-robin, so the batches arrive in the same order for any
+  number of workers (the same losses with 0 or 4 workers);
+- `skip(k)` starts this epoch after the block's first k elements: a mid-epoch resume is exact
+  without any worker state to save (the workers get the dataset, and so the position, when
+  the epoch's iterator starts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+
+class ShardedStream(IterableDataset):
+    """Elements of `len(lengths)` shards; shard i holds `lengths[i]` elements."""
+
+    def __init__(self, lengths: Sequence[int], shuffle: bool = False) -> None:
+        self.lengths, self.shuffle = [int(n) for n in lengths], shuffle
+        self.total = sum(self.lengths)
+        self.world, self.rank, self.batch_size, self.seed, self.pad = 1, 0, 1, 0, False
+        self.epoch, self._skip = 0, (0, 0)  # (epoch, elements): skip only in that epoch
+
+    def read(self, shard: int) -> Sequence[Any]:
+        """Shard `shard`'s elements, indexable 0..lengths[shard]-1."""
+        raise NotImplementedError
+
+    # --- set by the machinery ----------------------------------------------------------------
+    def shard(self, world: int, rank: int, batch_size: int, seed: int, pad: bool) -> None:
+        """Read rank `rank` of `world`'s part, in batches of `batch_size`; `pad` (training):
+        every rank gets the same number of elements."""
+        self.world, self.rank, self.batch_size, self.seed, self.pad = (
+            world, rank, batch_size, seed, pad
+        )  # fmt: skip
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, items: int) -> None:
+        """Start this epoch after the block's first `items` elements (a mid-epoch resume)."""
+        self._skip = (self.epoch, items)
+
+    # --- the order -----------------------------------------------------------------------------
+    def block(self) -> range:
+        """This rank's positions in the epoch's order (those >= total wrap around)."""
+        n, w, r = self.total, self.world, self.rank
+        if self.pad:
+            per = math.ceil(n / w)
+            return range(r * per, (r + 1) * per)
+        return range(r * n // w, (r + 1) * n // w)
+
+    def __len__(self) -> int:
+        return len(self.block())
+
+    def _orders(self) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's shard order and where each shard starts in the epoch's order."""
+        order = np.arange(len(self.lengths))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
+        starts = np.concatenate([[0], np.cumsum([self.lengths[i] for i in order])])
+        return order, starts
+
+    def _within(self, shard: int) -> np.ndarray | None:
+        """The epoch's order of elements inside `shard` (None: as stored)."""
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, self.epoch, shard]).permutation(
+            self.lengths[shard]
+        )
+
+    def _positions(self) -> Iterator[int]:
+        """This worker's positions: its batches (b % workers == worker) of the rank's block,
+        after the skipped elements."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        epoch, items = self._skip
+        block, size = self.block()[items if epoch == self.epoch else 0 :], self.batch_size
+        for b in range(worker, math.ceil(len(block) / size), workers):
+            yield from block[b * size : (b + 1) * size]
+
+    def __iter__(self) -> Iterator[Any]:
+        order, starts = self._orders()
+        current, elements, within = -1, None, None
+        for p in self._positions():
+            k = bisect.bisect_right(starts, p % self.total) - 1
+            if k != current:  # positions run through one shard at a time
+                current, shard = k, int(order[k])
+                elements, within = self.read(shard), self._within(shard)
+            offset = int(p % self.total - starts[k])
+            yield elements[offset if within is None else int(within[offset])]

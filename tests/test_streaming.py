@@ -1,0 +1,262 @@
+"""Iterable data in shards (project.data.stream, project.data.shards): split across ranks and
+DataLoader workers, every rank the same number of steps, exact mid-epoch resume, the language
+model read back streaming (`data=chars_stream`), and broken shard folders refused in one line."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from project.data.prepare import prepare
+from project.data.shards import load_shard, read_index
+from project.data.text import CharCorpus
+from project.data.text_stream import CharStream
+from project.engine.errors import UserError
+from project.engine.launch.exits import EXIT_PREEMPTED
+from project.engine.launch.torchrun import TRAINERS
+from project.engine.shared.loaders import plain_loader
+from project.engine.shared.sharding import resume_at, set_epoch, shard_loader
+from tests.helpers import (
+    CHARLM,
+    assert_one_line_error,
+    assert_parity,  # feature:raw
+    assert_same_weights,
+    finish,
+    launcher,
+    logged_metrics,
+    run_script,
+    start,
+    user_data,
+)
+from tests.user_data import ShardFiles
+
+LENGTHS = (37, 61, 23)  # 121 samples in 3 shards of different lengths
+
+
+def shard_files(folder: Path) -> Path:
+    """3 .npy files of sample ids 0..120, of LENGTHS."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for i, n in enumerate(LENGTHS):
+        np.save(folder / f"part-{i}.npy", np.arange(start, start + n))
+        start += n
+    return folder
+
+
+def ids(loader) -> list[list[int]]:
+    """The loader's batches as lists of sample ids."""
+    return [batch[0][:, -1].long().tolist() for batch in loader]
+
+
+def loaders(folder: Path, record: Path, stage: str, world: int, workers: int, shuffle: bool):
+    out = []
+    for rank in range(world):
+        stream = ShardFiles(stage, str(folder), str(record))
+        plain = plain_loader(stream, stage, batch_size=8, num_workers=workers, shuffle=shuffle)
+        out.append(shard_loader(plain, stage, world, rank, seed=3))
+    return out
+
+
+def read_ids(record: Path) -> list[int]:
+    ids = [
+        int(line.split()[1])
+        for f in record.glob("reads-*")
+        for line in f.read_text().split("\n")
+        if line
+    ]
+    for f in record.glob("reads-*"):
+        f.unlink()
+    return ids
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_is_split_across_ranks_and_workers(tmp_path: Path, workers: int) -> None:
+    """2 ranks x 2 workers over 3 uneven shards: validation reads every sample exactly once,
+    training gives both ranks the same number of batches (the short rank wraps to the epoch's
+    first samples), and the batches are the same whatever the number of workers."""
+    folder, record = shard_files(tmp_path / "shards"), tmp_path / "record"
+    record.mkdir()
+    val = loaders(folder, record, "val", 2, workers, shuffle=False)
+    val_batches = [ids(v) for v in val]
+    assert collections.Counter(read_ids(record)) == collections.Counter(range(121))
+    train = loaders(folder, record, "train", 2, workers, shuffle=True)
+    per_rank = [ids(t) for t in train]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(train[0]) == len(train[1]) == 8
+    seen = collections.Counter(read_ids(record))
+    assert set(seen) == set(range(121)) and sum(seen.values()) == 122  # one sample twice
+    sequential = [ids(t) for t in loaders(folder, record, "train", 2, 0, shuffle=True)]
+    assert per_rank == sequential  # the same batches in the same order with any workers
+    assert val_batches == [ids(v) for v in loaders(folder, record, "val", 2, 0, shuffle=False)]
+    for t in train:
+        set_epoch(t, 1)
+    second = [ids(t) for t in train]
+    assert second != per_rank  # a new order every epoch
+    assert resume_at(train[1], 0, 3) and ids(train[1]) == per_rank[1][3:]
+    set_epoch(train[1], 1)
+    assert ids(train[1]) == second[1]  # the resume was for that epoch only
+
+
+@pytest.mark.quick
+def test_a_stream_keeping_its_workers_is_refused(tmp_path: Path) -> None:
+    stream = ShardFiles("train", str(shard_files(tmp_path / "s")), str(tmp_path))
+    plain = plain_loader(stream, "train", 8, num_workers=1, persistent_workers=True)
+    with pytest.raises(UserError, match=r"set data\.persistent_workers=false"):
+        shard_loader(plain, "train", 2, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def chars_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default corpus prepared as shards of 200 windows of 32 characters."""
+    out = tmp_path_factory.mktemp("chars") / "shards"
+    prepare(None, out, block_size=32, per_shard=200, val_fraction=0.05, test_fraction=0.05)
+    return out
+
+
+@pytest.mark.quick
+def test_prepared_shards_hold_the_windows_of_data_chars(chars_shards: Path) -> None:
+    corpus, stream = CharCorpus(block_size=32), CharStream(str(chars_shards), block_size=32)
+    for split in ("train", "test"):
+        windows, streamed = corpus.dataset(split), stream.dataset(split)
+        assert (
+            len(streamed) == len(windows)
+            and len(read_index(f"{chars_shards}/{split}")["shards"]) > 0
+        )
+        got = [x for x, _ in streamed]
+        assert all(torch.equal(got[i], windows[i][0]) for i in range(len(windows)))
+
+
+def broken(folder: Path, how: str) -> Path:
+    """A copy of a prepared split, broken as `how` says."""
+    import shutil
+
+    target = folder.parent / f"broken-{how}"
+    shutil.copytree(folder, target, dirs_exist_ok=True)
+    train = target / "train"
+    first = train / "shard-00000.npy"
+    if how == "empty":
+        for f in train.iterdir():
+            f.unlink()
+    elif how == "truncated":
+        first.write_bytes(first.read_bytes()[:-100])
+    elif how == "garbage":
+        first.write_bytes(b"\x00" * first.stat().st_size)
+    elif how == "missing":
+        shutil.rmtree(train)
+    return target
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("missing", "does not exist: write it with python -m project.data.prepare"),
+        ("empty", r"has no index\.json \(empty, or its writing was cut short\)"),
+        ("truncated", r"shard-00000\.npy has \d+ bytes, the index says \d+: the folder"),
+    ],
+)
+def test_a_broken_shard_folder_is_one_line(chars_shards: Path, how: str, needle: str) -> None:
+    with pytest.raises(UserError, match=needle) as err:
+        CharStream(str(broken(chars_shards, how)), block_size=32)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.quick
+def test_a_shard_of_garbage_is_one_line_when_read(chars_shards: Path) -> None:
+    folder = f"{broken(chars_shards, 'garbage')}/train"
+    entry = read_index(folder)["shards"][0]  # the size is right: only reading can tell
+    corrupt = r"shard-00000\.npy cannot be read .* the folder is corrupt"
+    with pytest.raises(UserError, match=corrupt):
+        load_shard(folder, entry)
+
+
+@pytest.mark.quick
+def test_another_block_size_than_the_shards_is_one_line(chars_shards: Path) -> None:
+    mismatch = r"windows of block_size=32 but data\.dataset\.block_size=64"
+    with pytest.raises(UserError, match=mismatch):
+        CharStream(str(chars_shards), block_size=64)
+
+
+def stream_args(folder: Path) -> list[str]:
+    charlm = [a for a in CHARLM if not a.startswith("data.dataset.block_size")]
+    return [*charlm, "data=chars_stream", f"data.dataset.folder={folder}",
+            "data.dataset.block_size=32"]  # fmt: skip
+
+
+def test_data_chars_stream_trains_like_data_chars_in_the_same_order(
+    chars_shards: Path, base_args
+) -> None:
+    """One process, no shuffling: the streamed shards give the losses of the in-memory corpus
+    (the same windows in the same order), with or without DataLoader workers."""
+    same = [*base_args, "data.shuffle=false", "test=false", "trainer.max_epochs=1"]
+    chars = run_script("train.py", [*same, *CHARLM])
+    streamed = run_script("train.py", [*same, *stream_args(chars_shards), "data.num_workers=2"])
+    assert chars.returncode == streamed.returncode == 0, streamed.stderr[-3000:]
+    a, b = logged_metrics(chars.stdout, "val/"), logged_metrics(streamed.stdout, "val/")
+    assert a == b and a
+
+
+def test_a_missing_shard_folder_stops_train_py_in_one_line(tmp_path: Path, base_args) -> None:
+    proc = run_script("train.py", [*base_args, *stream_args(tmp_path / "nowhere")])
+    assert_one_line_error(proc, f"{tmp_path}/nowhere/train does not exist", "project.data.prepare")
+    assert not (tmp_path / "nowhere").exists()
+
+
+# --- distributed: 2 processes ----------------------------------------------------------------
+@pytest.mark.distributed
+def test_a_user_stream_over_uneven_shards_trains_on_2_ranks_x_2_workers(
+    tmp_path: Path, base_args
+) -> None:
+    """A user's ShardedStream over 3 shard files of different lengths, 2 epochs: every sample
+    is read each epoch, validation reads each exactly once, both ranks read the same number
+    (the same steps: nobody waits in a collective for a rank that ran out), and it ends."""
+    data = user_data(tmp_path, "StreamDataModule", folder=shard_files(tmp_path / "shards"))
+    cmd = [*launcher(["-m", "project.train"]), *base_args, *data, "trainer.max_epochs=2",
+           "trainer.num_sanity_val_steps=0", "test=false"]  # fmt: skip
+    code, out = finish(start(cmd), timeout=180)
+    assert code == 0, out[-3000:]
+    reads = {r: [ln.split() for f in tmp_path.glob(f"reads-rank{r}-worker*.txt")
+                 for ln in f.read_text().splitlines()] for r in (0, 1)}  # fmt: skip
+    assert all(len(list(tmp_path.glob(f"reads-rank{r}-worker*.txt"))) == 2 for r in (0, 1))
+    train = [collections.Counter(int(v) for s, v in reads[r] if s == "train") for r in (0, 1)]
+    assert sum(train[0].values()) == sum(train[1].values()) == 2 * 61  # 61 a rank an epoch
+    both = train[0] + train[1]
+    assert set(both) == set(range(121)) and min(both.values()) >= 2  # every sample, each epoch
+    val = collections.Counter(int(v) for r in (0, 1) for s, v in reads[r] if s == "val")
+    assert val == collections.Counter({i: 2 for i in range(121)})  # once per validation
+
+
+STREAM_2X2 = ["data.num_workers=2", "trainer.max_epochs=3", "step_stats=true"]
+
+
+# feature:raw
+@pytest.mark.distributed
+def test_data_chars_stream_trains_bitwise_alike_in_both_trainers(
+    chars_shards: Path, base_args, tmp_path: Path
+) -> None:
+    """2 processes x 2 DataLoader workers, shuffled shards: the same loss at every step."""
+    assert_parity(tmp_path, [*base_args, *stream_args(chars_shards), *STREAM_2X2], nproc=2)
+
+
+# /feature:raw
+@pytest.mark.distributed
+def test_data_chars_stream_resumes_exactly_after_a_mid_epoch_preemption(
+    chars_shards: Path, base_args, log_dir: Path
+) -> None:
+    """Each trainer stopped mid-epoch (2 processes x 2 workers) and rerun ends with the weights
+    of the uninterrupted run: the stream's position is (epoch, batches done), nothing more."""
+    args = [*base_args, *stream_args(chars_shards), *STREAM_2X2, "test=false",
+            "callbacks.early_stopping=null"]  # fmt: skip
+    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="whole"), 240)
+    assert code == 0, out[-3000:]
+    for module in TRAINERS.values():
+        cut = [*args, "fault_injection.at_step=17", "fault_injection.mode=sigterm"]
+        code, out = finish(start(launcher(["-m", module, *cut]), RUN_ID=module), 240)
+        assert code == EXIT_PREEMPTED, out[-3000:]
+        code, out = finish(start(launcher(["-m", module, *args]), RUN_ID=module), 240)
+        assert code == 0 and "skipping" in out, out[-3000:]
+        assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs" / module)
