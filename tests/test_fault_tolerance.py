@@ -70,6 +70,7 @@ BOTH = tuple(TRAINERS.values())  # every trainer's module
         pytest.param(("project.train",), 1, "digits", marks=pytest.mark.quick, id="train-digits"),
         pytest.param(("project.raw_train",), 1, "digits", id="raw-digits"),  # feature:raw
         pytest.param(BOTH, 1, "charlm", id="both-charlm"),
+        pytest.param(BOTH, 1, "digits-2-workers", id="both-digits-2-workers"),
         pytest.param(BOTH, 4, "digits", marks=pytest.mark.slow, id="both-digits-accumulate4"),
     ],
 )
@@ -80,6 +81,8 @@ def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
     uninterrupted run (one reference serves both trainers: their weights are bitwise equal)."""
     args = [*base_args, *(CHARLM if task == "charlm" else ARGS),
             f"trainer.accumulate_grad_batches={accumulate}"]  # fmt: skip
+    if task == "digits-2-workers":  # the workers copy the order when the first iterator starts
+        args.append("data.num_workers=2")
     if accumulate > 1:  # checks every 2 windows = 8 batches: a stop never splits a window
         args.append("callbacks.fault_tolerance.check_every_n_steps=2")
     # SIGTERM at step 25 (accumulate 4: step 7, batch 8 of epoch 1): every rank stops at the

@@ -1,10 +1,10 @@
 """The data contract both trainers use, and helpers for sources that cache files on disk.
 
-A source builds map-style `torch.utils.data.Dataset`s for the splits "train", "val" and
-"test". `prepare()` runs once per node before any rank reads (local rank 0: download,
-decode, write a cache); `dataset(split)` runs on every rank and should be cheap (read the
-cache, memory-mapped where it can). Splits must depend on the config only (seeded), never on
-the rank or the process count.
+A source builds map-style `torch.utils.data.Dataset`s (or `project.data.stream.ShardedStream`s
+for data in shards) for the splits "train", "val" and "test". `prepare()` runs once per node
+before any rank reads (local rank 0: download, decode, write a cache); `dataset(split)` runs on
+every rank and should be cheap (read the cache, memory-mapped where it can). Splits must
+depend on the config only (seeded), never on the rank or the process count.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class DataSource:
         """Once per node, before `dataset` is called anywhere: fetch or cache the raw data."""
 
     def dataset(self, split: str) -> Dataset:
-        """The map-style dataset of `split` (one of SPLITS)."""
+        """The dataset of `split` (one of SPLITS): map-style, or a ShardedStream."""
         raise NotImplementedError
 
 
