@@ -5,6 +5,7 @@ Test files import from here, never from each other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -90,6 +91,34 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, whatever session the launcher put them in."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def python_stacks(pids: list[int]) -> str:
+    """Where each process is stuck, Python and native frames (py-spy, a dev dependency), for
+    the report of a job that did not end."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return ""
+    dump = [str(spy), "dump", "--native", "--pid"]
+    dumps = [subprocess.run([*dump, str(pid)], capture_output=True, text=True, timeout=60).stdout
+             for pid in pids]  # fmt: skip
+    return "\n".join(dumps)[-12000:]
+
+
 STARTED: list[subprocess.Popen[str]] = []  # this test's process groups (see reap_processes)
 
 
@@ -111,9 +140,14 @@ def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str]
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        tree = process_tree(proc.pid)
+        stacks = python_stacks(tree)
+        for pid in tree:  # torchrun puts its workers in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s:\n{out[-3000:]}") from None
+        raise AssertionError(f"timed out after {timeout}s:\n{out[-3000:]}\n{stacks}") from None
     deadline = time.monotonic() + 10
     while group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -120,7 +120,8 @@ def _stream(loader: DataLoader, stage: str, world: int, rank: int, seed: int) ->
 def _sampled(loader: DataLoader, stage: str, world: int, rank: int, seed: int) -> DataLoader:
     """A map-style loader: our sampler around its own (or its batch sampler)."""
     train, sampler, batches = stage == "train", loader.sampler, loader.batch_sampler
-    same_length_on_all_ranks(len(loader.dataset), stage)  # type: ignore[arg-type]
+    if hasattr(loader.dataset, "__len__"):
+        same_length_on_all_ranks(len(loader.dataset), stage)  # type: ignore[arg-type]
     if train:
         resumes_exactly()
     if batches is not None and type(batches) is not BatchSampler:
