@@ -1,8 +1,9 @@
 """Write the language-model corpus as token shards for `data=chars_stream`.
 
-    python -m project.data.prepare                       # pydoc topics -> <repo>/data/chars_shards
+    python -m project.data.prepare                       # pydoc topics -> data/chars_shards
     python -m project.data.prepare --corpus my.txt --out /shared/shards --windows-per-shard 4096
 
+Run it from the repository root: `data=chars_stream` reads <repo>/data/chars_shards.
 The corpus is split and cut into windows exactly as `data=chars` does (project.data.text);
 each split goes to <out>/<split>/ as shards of whole windows (a window's last token is the
 next one's first, so a shard holds windows*block_size+1 tokens). Copy the folder to shared
@@ -18,7 +19,6 @@ import numpy as np
 
 from project.data.shards import write_shards
 from project.data.text import CharCorpus
-from project.engine.config.compose import ROOT_DIR
 from project.engine.errors import UserError
 
 
@@ -49,8 +49,8 @@ def prepare(corpus: str | None, out: Path, block_size: int, per_shard: int,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--corpus", help="a UTF-8 text file (default: Python's pydoc topics)")
-    parser.add_argument("--out", type=Path, default=ROOT_DIR / "data" / "chars_shards",
-                        help="where data=chars_stream reads by default")  # fmt: skip
+    where = "default: where data=chars_stream reads (run from the repository root)"
+    parser.add_argument("--out", type=Path, default=Path("data/chars_shards"), help=where)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--windows-per-shard", type=int, default=1024)
     parser.add_argument("--val-fraction", type=float, default=0.05)
