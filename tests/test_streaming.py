@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from project.data.prepare import prepare
 from project.data.shards import load_shard, read_index
@@ -52,7 +53,10 @@ def ids(loader) -> list[list[int]]:
     return [batch[0][:, -1].long().tolist() for batch in loader]
 
 
-def loaders(folder: Path, record: Path, stage: str, world: int, workers: int, shuffle: bool):
+def loaders(
+    folder: Path, record: Path, stage: str, world: int, workers: int, shuffle: bool
+) -> list[DataLoader]:
+    """Each rank's loader of a ShardFiles stream, as the machinery builds it."""
     out = []
     for rank in range(world):
         stream = ShardFiles(stage, str(folder), str(record))
@@ -62,7 +66,8 @@ def loaders(folder: Path, record: Path, stage: str, world: int, workers: int, sh
 
 
 def read_ids(record: Path) -> list[int]:
-    ids = [
+    """The sample ids the streams recorded reading (then forgotten)."""
+    read = [
         int(line.split()[1])
         for f in record.glob("reads-*")
         for line in f.read_text().split("\n")
@@ -70,7 +75,7 @@ def read_ids(record: Path) -> list[int]:
     ]
     for f in record.glob("reads-*"):
         f.unlink()
-    return ids
+    return read
 
 
 @pytest.mark.quick
