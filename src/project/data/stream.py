@@ -31,14 +31,29 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 
-class ShardedStream(IterableDataset):
+class SkipInEpoch:
+    """A mid-epoch resume point: `skip(k)` makes the current epoch start after its first k
+    elements, other epochs are whole (the stream here, and the engine's samplers)."""
+
+    epoch = 0
+    _skip = (0, 0)  # (epoch, elements)
+
+    def skip(self, items: int) -> None:
+        self._skip = (self.epoch, items)
+
+    def first(self) -> int:
+        """Where this epoch starts: after the skipped elements if it is the resumed epoch."""
+        epoch, items = self._skip
+        return items if epoch == self.epoch else 0
+
+
+class ShardedStream(SkipInEpoch, IterableDataset):
     """Elements of `len(lengths)` shards; shard i holds `lengths[i]` elements."""
 
     def __init__(self, lengths: Sequence[int], shuffle: bool = False) -> None:
         self.lengths, self.shuffle = [int(n) for n in lengths], shuffle
         self.total = sum(self.lengths)
         self.world, self.rank, self.batch_size, self.seed, self.pad = 1, 0, 1, 0, False
-        self.epoch, self._skip = 0, (0, 0)  # (epoch, elements): skip only in that epoch
 
     def read(self, shard: int) -> Sequence[Any]:
         """Shard `shard`'s elements, indexable 0..lengths[shard]-1."""
@@ -54,10 +69,6 @@ class ShardedStream(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-
-    def skip(self, items: int) -> None:
-        """Start this epoch after the block's first `items` elements (a mid-epoch resume)."""
-        self._skip = (self.epoch, items)
 
     # --- the order -----------------------------------------------------------------------------
     def block(self) -> range:
@@ -92,8 +103,7 @@ class ShardedStream(IterableDataset):
         after the skipped elements."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        epoch, items = self._skip
-        block, size = self.block()[items if epoch == self.epoch else 0 :], self.batch_size
+        block, size = self.block()[self.first() :], self.batch_size
         for b in range(worker, math.ceil(len(block) / size), workers):
             yield from block[b * size : (b + 1) * size]
 

@@ -17,6 +17,7 @@ from project.engine.checkpoints import LAST_CKPT
 from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
 from project.engine.launch import comm_hooks, faults
 from project.engine.launch.signals import StopSignal
+from project.engine.lightning.datamodule import fit_epoch
 from project.engine.private_api import skip_sigterm_broadcast
 from project.engine.shared import sharding
 from project.engine.shared.step_stats import StepStats
@@ -82,8 +83,7 @@ class FaultTolerance(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning sets the epoch on samplers, not on an iterable dataset (a ShardedStream):
         # this runs before each later epoch's iterator is made (the first: datamodule.py).
-        epoch = trainer.fit_loop.epoch_progress.current.processed
-        sharding.set_epoch(trainer.train_dataloader, epoch)
+        sharding.set_epoch(trainer.train_dataloader, fit_epoch(trainer))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int

@@ -99,13 +99,18 @@ def shard_datamodule(datamodule: pl.LightningDataModule, seed: int) -> None:
         setattr(datamodule, name, sharded)
 
 
+def fit_epoch(trainer: pl.Trainer) -> int:
+    """The epoch Lightning gives the samplers' `set_epoch` (its fit loop's own count)."""
+    return trainer.fit_loop.epoch_progress.current.processed
+
+
 def start_where_fit_resumes(loader: Any, trainer: pl.Trainer) -> None:
     """Give the train loader the epoch, and after a mid-epoch checkpoint the batches already
     done, before Lightning makes its first iterator (its fit loop does that before any hook
     runs, and DataLoader workers copy the order then). Lightning itself sets the epoch later,
     on samplers only, and continues a resumed epoch without skipping anything."""
     fit = trainer.fit_loop
-    epoch = fit.epoch_progress.current.processed  # what Lightning gives samplers' set_epoch
+    epoch = fit_epoch(trainer)
     sharding.set_epoch(loader, epoch)
     started_not_done = fit.restarting and fit.epoch_progress.current.started > epoch
     done = fit.epoch_loop.batch_progress.current.completed if started_not_done else 0

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from project.data.stream import SkipInEpoch
 from project.engine.errors import UserError
 
 
-class ResumableSampler(DistributedSampler):
+class ResumableSampler(SkipInEpoch, DistributedSampler):
     """DistributedSampler (also for one process) that can resume in the middle of an epoch.
 
     The order depends only on (seed, epoch), never on the global RNG, and `skip(k)` makes this
@@ -32,14 +33,9 @@ class ResumableSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset, world: int, rank: int, shuffle: bool, seed: int) -> None:
         super().__init__(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
-        self._skip = (0, 0)
-
-    def skip(self, items: int) -> None:
-        self._skip = (self.epoch, items)  # this epoch only
 
     def __iter__(self) -> Iterator[int]:
-        epoch, items = self._skip
-        return iter(list(super().__iter__())[items if epoch == self.epoch else 0 :])
+        return iter(list(super().__iter__())[self.first() :])
 
 
 class EvalShardSampler(Sampler[int]):
@@ -85,7 +81,7 @@ def seeded(sampler: Any, seed: int) -> Iterator[None]:
             random.setstate(random_state)
 
 
-class _Shares:
+class _Shares(SkipInEpoch):
     """What ShardedDraws and ShardedBatches share: all ranks make the epoch's draws of the
     user's sampler with the same seed, and rank r takes draws r, r+w, r+2w, ... (training pads
     the draws to a multiple of w by repeating the first ones, as DistributedSampler does, so
@@ -101,7 +97,7 @@ class _Shares:
                 "how many steps an epoch has: give it a __len__"
             ) from None
         self.source, self.what, self.world, self.rank = sampler, what, world, rank
-        self.seed, self.pad, self.epoch, self._skip = seed, pad, 0, (0, 0)
+        self.seed, self.pad = seed, pad
         if self.draws(0) != self.draws(0):
             raise UserError(
                 f"{what} ({type(sampler).__name__}) draws differently on two passes with the same "
@@ -129,12 +125,8 @@ class _Shares:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def skip(self, items: int) -> None:
-        self._skip = (self.epoch, items)  # this epoch only
-
     def take(self) -> Iterator[Any]:
-        epoch, items = self._skip
-        return iter(self.share()[items if epoch == self.epoch else 0 :])
+        return iter(self.share()[self.first() :])
 
     def __len__(self) -> int:
         if self.pad:

@@ -78,7 +78,7 @@ _warned: set[str] = set()
 
 
 def resumes_exactly() -> None:
-    """The train loader's order resumes mid-epoch (FaultTolerance calls `resume_at`), which
+    """The train loader's order resumes mid-epoch (`resume_at`, before the first iterator), which
     Lightning cannot see: its "dataloader is not resumable" warning would mislead, and so would
     its warning that an IterableDataset's length may be wrong with workers (a ShardedStream
     splits by worker itself)."""
@@ -185,20 +185,21 @@ def shard_loaders(loaders: Any, stage: str, world: int, rank: int, seed: int) ->
     return shard_loader(loaders, stage, world, rank, seed)
 
 
+def _parts(loader: Any) -> list[Any]:
+    """What may hold a loader's order: its batch sampler, sampler and dataset."""
+    return [getattr(loader, name, None) for name in ("batch_sampler", "sampler", "dataset")]
+
+
 def _order(loader: Any) -> Any:
     """What holds `loader`'s order: our sampler, batch sampler or stream (None: not ours)."""
-    for part in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
-                 getattr(loader, "dataset", None)):  # fmt: skip
-        if isinstance(part, (*OURS, ShardedBatches, ShardedStream)):
-            return part
-    return None
+    ours = (*OURS, ShardedBatches, ShardedStream)
+    return next((part for part in _parts(loader) if isinstance(part, ours)), None)
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
     """A new order for `epoch`: `set_epoch` on the loader's batch sampler, sampler and dataset,
     where they have it (Lightning sets it on samplers only, not on an iterable dataset)."""
-    for part in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
-                 getattr(loader, "dataset", None)):  # fmt: skip
+    for part in _parts(loader):
         if callable(getattr(part, "set_epoch", None)):
             part.set_epoch(epoch)
 
