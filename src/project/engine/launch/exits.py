@@ -39,7 +39,10 @@ def one_line(message: str) -> str:
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Print one line naming the problem (and the fix) and exit with `code`."""
-    print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
+    # One write (print writes the text and the newline apart): the lines of ranks failing at
+    # once reach a shared pipe whole, not run together.
+    sys.stderr.write(f"error: {one_line(message)}\n")
+    sys.stderr.flush()
     sys.exit(code)
 
 
