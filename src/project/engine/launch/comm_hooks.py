@@ -88,23 +88,27 @@ class CommHook:
             setattr(self.state, key, value)
 
 
-class BucketLayouts:
-    """PowerSGD's state follows the parameters when DDP lays its buckets out anew.
+ALIGN = 16  # elements: each gradient in PowerSGD's buffer starts on a 64-byte boundary
 
-    PowerSGD keeps its per-rank state per gradient bucket, as flat tensors in the order of the
-    bucket's parameters. DDP builds its buckets in parameter order and rebuilds them after the
-    first step of every process, in the order gradients became ready. A run resumed from a
-    checkpoint therefore takes its first step with another layout than the one the saved state
-    was made with. This hook records each bucket's layout and, when it changes, moves every
-    parameter's slice of the error, P and Q tensors to its new place. (The resumed run then
-    ends within the last bits of the uninterrupted one, not bitwise: that first step runs
-    PowerSGD's matrix products on tensors at other buffer offsets; docs/fault-tolerance.md.)
+
+class BucketLayouts:
+    """PowerSGD sees every bucket in one fixed layout, whatever DDP's is, so a resume is exact.
+
+    DDP lays a bucket out in parameter order for the first step of every process and in the
+    order gradients became ready afterwards (sometimes with other members), and the CPU's
+    matrix kernels round differently for a matrix at another 16-byte alignment. So the hook
+    hands PowerSGD a copy of the bucket with its gradients in the model's parameter order, each
+    starting on a 64-byte boundary, and copies the result back into DDP's buffer: PowerSGD's
+    per-bucket state (error feedback, P and Q, flat tensors in that order) and every rounding
+    are then the same in a resumed run as in the uninterrupted one. When a bucket's members
+    change, every parameter's slice of the state moves with it.
     """
 
     def __init__(self, state: Any, named_parameters: Any) -> None:
         self.state = state
         named = list(named_parameters)
         self.by_id = {id(p): name for name, p in named}
+        self.position = {name: i for i, (name, _) in enumerate(named)}
         self.shapes = {name: tuple(p.shape) for name, p in named}
         self.names: dict[int, list[str]] = {}  # bucket index -> its parameters, in order
         self.pieces: dict[str, dict[str, Any]] = {}  # per parameter, while buckets move
@@ -112,14 +116,32 @@ class BucketLayouts:
     def hook(self, state, bucket):  # no annotations: DDP checks them against dist.GradBucket
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-        names = [self.by_id[id(p)] for p in bucket.parameters()]
+        ddp_names = [self.by_id[id(p)] for p in bucket.parameters()]
+        names = sorted(ddp_names, key=self.position.__getitem__)
         index = bucket.index()
         if self.names.get(index, names) != names:
             self.split_all()
         self.names[index] = names
         if self.pieces and all(n in self.pieces for n in names):
             self.join(index, names)
-        return powerSGD_hook.powerSGD_hook(state, bucket)
+        fixed = FixedBucket(bucket, ddp_names, names, *self.slots(names))
+        done = powerSGD_hook.powerSGD_hook(state, fixed)
+        if not fixed.buffer().is_cuda:
+            # PowerSGD starts its second and third all-reduce from callbacks, which gloo runs
+            # on its own threads: with two buckets in flight, the ranks issued them in other
+            # orders and hung or aborted. One bucket at a time keeps every rank's order.
+            done.wait()
+        return done.then(fixed.copy_back)
+
+    def slots(self, names: list[str]) -> tuple[dict[str, tuple[int, int]], int]:
+        """Each parameter's (offset, length) in the fixed layout (aligned, in `names` order),
+        and the layout's length."""
+        out, offset = {}, 0
+        for name in names:
+            numel = math.prod(self.shapes[name])
+            out[name] = (offset, numel)
+            offset += -(-numel // ALIGN) * ALIGN
+        return out, offset
 
     def tables(self) -> dict[str, dict[int, Any]]:
         """PowerSGD's per-bucket tensors: the error feedback, the P and the Q factors."""
@@ -127,18 +149,16 @@ class BucketLayouts:
         return {"error": s.error_dict, "p": s.p_memory_dict, "q": s.q_memory_dict}
 
     def slices(self, names: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
-        """Each parameter's (offset, length) in the bucket's error, P and Q tensors (as
-        powerSGD_hook lays them out: P and Q grouped by matrix shape, first seen first)."""
+        """Each parameter's (offset, length) in the bucket's error, P and Q tensors (the error
+        in the fixed layout; P and Q as powerSGD_hook groups them: by matrix shape, first seen
+        first)."""
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
         out: dict[str, dict[str, tuple[int, int]]] = {}
-        offset, groups = 0, {}
-        for name in names:
-            shape = self.shapes[name]
-            numel = math.prod(shape)
+        groups: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for name, (offset, numel) in self.slots(names)[0].items():
             out[name] = {"error": (offset, numel)}
-            offset += numel
-            n, m = shape[0], numel // shape[0]
+            n, m = self.shapes[name][0], numel // self.shapes[name][0]
             rank = min(n, m, self.state.matrix_approximation_rank)
             if _should_compress(n, m, rank, self.state.min_compression_rate)[0]:
                 groups.setdefault((n, m), []).append((name, n * rank, m * rank))
@@ -166,12 +186,57 @@ class BucketLayouts:
         import torch
 
         where = self.slices(names)
+        lengths = {"error": self.slots(names)[1]}
         for key, table in self.tables().items():
-            parts = [self.pieces[n][key] for n in names if key in where[n]]
-            if parts and all(key in self.pieces[n] for n in names if key in where[n]):
-                table[index] = torch.cat(parts).clone()
+            members = [n for n in names if key in where[n]]
+            if not members or not all(key in self.pieces[n] for n in members):
+                continue
+            end = max(sum(where[n][key]) for n in members)
+            flat = torch.zeros(lengths.get(key, end), dtype=self.pieces[members[0]][key].dtype,
+                               device=self.pieces[members[0]][key].device)  # fmt: skip
+            for name in members:
+                start, length = where[name][key]
+                flat[start : start + length] = self.pieces[name][key]
+            table[index] = flat
         for name in names:
             self.pieces.pop(name, None)
+
+
+class FixedBucket:
+    """A DDP bucket's gradients copied into the fixed layout of `BucketLayouts`; the methods
+    of `dist.GradBucket` that powerSGD_hook calls."""
+
+    def __init__(
+        self, bucket: Any, ddp_names: list[str], names: list[str], slots: dict, length: int
+    ) -> None:
+        self.bucket, self.slots = bucket, slots
+        self._buffer = bucket.buffer().new_zeros(length)
+        self.ddp_grads = dict(zip(ddp_names, bucket.gradients(), strict=True))
+        self._grads = []
+        for name in names:
+            start, numel = slots[name]
+            view = self._buffer[start : start + numel].view_as(self.ddp_grads[name])
+            self._grads.append(view.copy_(self.ddp_grads[name]))
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def gradients(self) -> list[Any]:
+        return self._grads
+
+    def index(self) -> int:
+        return self.bucket.index()
+
+    def is_last(self) -> bool:
+        return self.bucket.is_last()
+
+    def copy_back(self, fut: Any) -> Any:
+        """PowerSGD's result (the fixed layout) into DDP's bucket buffer, which DDP reads."""
+        result = fut.value()
+        for name, grad in self.ddp_grads.items():
+            start, numel = self.slots[name]
+            grad.copy_(result[start : start + numel].view_as(grad))
+        return self.bucket.buffer()
 
 
 def state_file(last: Path, step: int | str, rank: int) -> Path:
