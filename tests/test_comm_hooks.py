@@ -77,6 +77,21 @@ def test_powersgd_state_follows_the_parameters_when_buckets_are_laid_out_anew() 
 
 
 @pytest.mark.quick
+def test_powersgd_state_of_another_layout_is_refused_in_one_line() -> None:
+    """A state saved unaligned (the layout before 2026-12-02 evening) would be sliced wrongly."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    hook = CommHook("powersgd")
+    hook.state = PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    hook.layouts = BucketLayouts(hook.state, net.named_parameters())
+    order = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    unaligned = {"layouts": {0: order}, "error_dict": {0: torch.zeros(128 + 16 + 64 + 4)}}
+    with pytest.raises(UserError, match="PowerSGD state beside this checkpoint has another"):
+        hook.load_state_dict(unaligned)
+
+
+@pytest.mark.quick
 def test_static_graph_with_accumulation_is_refused_before_any_process_starts(base_args) -> None:
     args = [*base_args, "trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp_static",
             "trainer.accumulate_grad_batches=2"]  # fmt: skip

@@ -83,6 +83,14 @@ class CommHook:
 
         saved = dict(saved)
         self.layouts.names = {int(i): list(n) for i, n in saved.pop("layouts", {}).items()}
+        for index, names in self.layouts.names.items():
+            error = saved.get("error_dict", {}).get(index)
+            if error is not None and len(error) != self.layouts.slots(names)[1]:
+                raise UserError(
+                    "the PowerSGD state beside this checkpoint has another layout (written by "
+                    "an older template): start a new run from its weights (ckpt_path=... with "
+                    "another RUN_ID)"
+                )
         self.state.rng.set_state(numpy_state_loaded(saved.pop("rng")))
         for key, value in saved.items():
             setattr(self.state, key, value)
