@@ -90,10 +90,14 @@ def test_parity_float16_mixed_precision_on_cpu(base_args, tmp_path) -> None:
                              "trainer.accelerator=cpu"])  # fmt: skip
 
 
-def test_parity_one_process_cnn_accumulation_clipping(base_args, tmp_path) -> None:
+@pytest.mark.parametrize("algorithm, value", [("norm", 0.5), ("value", 0.01)])
+def test_parity_one_process_cnn_accumulation_clipping(
+    base_args, tmp_path, algorithm: str, value: float
+) -> None:
     assert_parity(tmp_path, [*base_args, *SHORT_STATS, "model=cnn",
-                             "trainer.accumulate_grad_batches=3", "trainer.gradient_clip_val=0.5",
-                             "model/scheduler=step"])  # fmt: skip
+                             "trainer.accumulate_grad_batches=3", "model/scheduler=step",
+                             f"trainer.gradient_clip_val={value}",
+                             f"trainer.gradient_clip_algorithm={algorithm}"])  # fmt: skip
 
 
 @pytest.mark.quick  # the fast tier's DDP run and parity check
