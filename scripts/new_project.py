@@ -51,7 +51,8 @@ FEATURES = {
                  "tests/test_tracking.py", "docs/tracking.md"],
     "doctor": [f"src/{OLD}/doctor/", "tests/test_doctor.py", "docs/doctor.md"],
     "raw": [f"src/{OLD}/raw_train.py", f"src/{OLD}/engine/raw/", f"src/{OLD}/compare.py",
-            f"src/{OLD}/bench/", "tests/test_raw_parity.py", "docs/raw-trainer.md",
+            f"src/{OLD}/bench/", "tests/test_raw_parity.py", "tests/test_bench.py",
+            "docs/raw-trainer.md",
             "docs/compare.png"],
 }  # fmt: skip
 # Copied but never rewritten: copier's record of the template it came from.

@@ -1,5 +1,6 @@
 """The pure rules behind the end-to-end guarantees, in milliseconds: the stop budget, the raw
-trainer's early stopping, what a checkpoint may be resumed by, which weights are tested."""
+trainer's early stopping, what a checkpoint may be resumed by, which weights are tested, which
+profiler Lightning gets."""
 
 from __future__ import annotations
 
@@ -159,3 +160,17 @@ def test_throughput_counts_the_tasks_units() -> None:
     meter = Throughput(world_size=2)
     meter.count(100)
     assert meter.rate() > 0 and meter.units == 0  # counted units over both ranks, then reset
+
+
+# --- the profiler (project.engine.lightning.build) ------------------------------------------
+def test_the_profiler_is_the_configured_one_else_one_that_costs_nothing(compose_train) -> None:
+    from lightning.pytorch.profilers import Profiler
+
+    from project.engine.lightning.build import NoProfiler, profiler
+
+    assert profiler(compose_train(["debug=profiler"])) == "simple"  # Lightning builds it
+    free = profiler(compose_train([]))
+    assert isinstance(free, NoProfiler) and isinstance(free, Profiler)
+    with free.profile("a") as first, free.profile("b") as nested:  # reusable, re-entrant
+        assert first is None and nested is None
+    assert free.profile("a") is free.profile("b")  # no object built per hook call

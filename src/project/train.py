@@ -55,6 +55,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         callbacks=callbacks,
         logger=loggers or False,
         plugins=[AtomicCheckpointIO()],
+        profiler=build.profiler(cfg),
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))

@@ -1,5 +1,5 @@
 """What train.py builds besides the user's data and model: the strategy, the callbacks and
-loggers from their config groups, and the Lightning-specific parts of a stop."""
+loggers from their config groups, the profiler, and the Lightning-specific parts of a stop."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
@@ -60,6 +61,22 @@ def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
     if (cfg.get("fault_injection") or {}).get("at_step") is not None:
         found.append(FaultInjection(to_plain(cfg.fault_injection)))
     return found
+
+
+class NoProfiler(PassThroughProfiler):
+    """Lightning's default profiler (it records nothing) without its per-call cost: Lightning
+    wraps each hook call in `profiler.profile(name)`, about a hundred a training step, and the
+    default builds a generator-based context manager for each (docs/performance.md)."""
+
+    _nothing = contextlib.nullcontext()
+
+    def profile(self, action_name: str) -> contextlib.AbstractContextManager:
+        return self._nothing
+
+
+def profiler(cfg: DictConfig) -> Any:
+    """`trainer.profiler` as configured (simple, advanced, pytorch, ...), else NoProfiler."""
+    return cfg.trainer.get("profiler") or NoProfiler()
 
 
 def check_one_last_checkpoint(callbacks: list[Any], fault_tolerance: Any) -> None:

@@ -1,0 +1,48 @@
+"""The benchmark commands of project.bench (the compare command's tests are in
+test_raw_parity.py)."""
+
+from __future__ import annotations
+
+import cProfile
+import re
+
+import pytest
+
+from project.bench.calls import calls_by_function, per_step
+from tests.helpers import run_script
+
+
+def called(n: int) -> None:
+    for _ in range(n):
+        len([])
+
+
+@pytest.mark.quick
+def test_calls_per_step_come_from_real_profiles_and_their_difference(tmp_path) -> None:
+    dumps = []
+    for n in (3, 10):
+        profile = cProfile.Profile()
+        profile.runcall(called, n)
+        profile.dump_stats(tmp_path / f"{n}.pstats")
+        dumps.append(calls_by_function(tmp_path / f"{n}.pstats"))
+    short, long = dumps
+    assert short["~:0(<built-in method builtins.len>)"] == 3
+    steps = per_step(short, long, steps=7)
+    assert steps["~:0(<built-in method builtins.len>)"] == 1.0
+    assert not any(re.search(r" at 0x[0-9a-f]+", k) for k in long)  # same names every process
+    with pytest.raises(SystemExit, match="differ by 0 steps"):
+        per_step(short, long, steps=0)
+
+
+@pytest.mark.slow
+def test_calls_command_prints_both_trainers_and_lightning_without_its_profiler() -> None:
+    proc = run_script("-m project.bench.calls", ["--nproc", "1", "--epochs", "2", "--batches",
+                      "1", "3", "trainer.accelerator=cpu"], timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = dict(re.findall(r"^\| (lightning|raw) \| 1 \| (\d+) \|$", proc.stdout, re.M))
+    assert int(rows["raw"]) > 500, proc.stdout  # forward, backward, optimizer: hundreds
+    assert int(rows["lightning"]) > int(rows["raw"]), proc.stdout
+    listing = proc.stdout.split("Calls per step Lightning adds most")[1]
+    # The template's NoProfiler replaced Lightning's default profiler on every hook call.
+    assert "project/engine/lightning/build.py" in listing, listing
+    assert "lightning/pytorch/profilers/profiler.py" not in listing, listing
