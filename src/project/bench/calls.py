@@ -5,12 +5,12 @@
 A step's time on a shared machine moves by tens of percent from one run to the next; the
 number of function calls a training step makes does not, so it shows what a loop costs
 without the noise (docs/performance.md). Each trainer runs twice under cProfile (every rank,
-through `--child`), with `trainer.limit_train_batches` at each of `--batches` and the same
-epochs, so start-up, validation and the per-epoch work cancel out: calls per step is the
-difference of rank 0's calls over the difference of its steps. Prints the calls per step of
-each trainer and process count, then the functions Lightning calls most often beyond what the
-raw loop calls. A profiled run is 2-3x slower than a plain one: read counts here, step times
-in `project.compare`.
+through `--child`, from the first training step on), with `trainer.limit_train_batches` at
+each of `--batches` and the same epochs, so validation and the per-epoch work cancel out:
+calls per step is the difference of rank 0's calls over the difference of its steps. Prints
+the calls per step of each trainer and process count, then the functions Lightning calls most
+often beyond what the raw loop calls. A profiled run is 2-3x slower than a plain one: read
+counts here, step times in `project.compare`.
 """
 
 from __future__ import annotations
@@ -39,11 +39,21 @@ PROFILE = "rank{rank}.pstats"
 
 
 def child(module: str, out_dir: str, overrides: list[str]) -> None:
-    """Run one trainer in this process under cProfile; each rank writes its profile."""
+    """Run one trainer in this process, under cProfile from its first training step on (what
+    comes before differs between two runs: the first one also byte-compiles the modules it
+    imports, builds caches); each rank writes its profile."""
+    from project.engine.shared.step_stats import StepStats  # both trainers record steps here
+
+    profile, record_step = cProfile.Profile(), StepStats.step_start
+
+    def step_start(stats: StepStats) -> None:
+        if not stats.step_starts:
+            profile.enable()
+        record_step(stats)
+
+    StepStats.step_start = step_start  # type: ignore[method-assign]
     entry = __import__(module, fromlist=["main"])
     sys.argv = [module, *overrides]
-    profile = cProfile.Profile()
-    profile.enable()
     try:
         entry.main()
     finally:

@@ -65,7 +65,7 @@ def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
 
 class NoProfiler(PassThroughProfiler):
     """Lightning's default profiler (it records nothing) without its per-call cost: Lightning
-    wraps each hook call in `profiler.profile(name)`, about a hundred a training step, and the
+    wraps each hook call in `profiler.profile(name)`, about fifty a training step, and the
     default builds a generator-based context manager for each (docs/performance.md)."""
 
     _nothing = contextlib.nullcontext()
