@@ -18,7 +18,6 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -42,22 +41,16 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose("train", overrides=overrides, return_hydra_config=True)
 
 
-def command(module: str, nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
-    args = [*overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
-    return torchrun.command(["-m", module, *args], nproc)
+def target(module: str, overrides: list[str], run_dir: Path) -> list[str]:
+    """What follows `python` (or torchrun's options) to run one trainer into `run_dir`."""
+    return ["-m", module, *overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
 
 
 def run_once(module: str, nproc: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Run one trainer to the end; returns its stats, metrics and launch/wall times."""
     launched = time.time()
-    proc = subprocess.run(
-        command(module, nproc, overrides, run_dir), capture_output=True, text=True,
-        env=torchrun.environment(),
-    )  # fmt: skip
+    torchrun.run_to_end(target(module, overrides, run_dir), nproc, f"{module} in {run_dir}")
     wall = time.time() - launched
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise SystemExit(f"{module} failed (exit {proc.returncode}) in {run_dir}:\n{tail}")
     result = read_run(run_dir)
     result.update(wall_s=wall, launch_to_first_step_s=result["stats"]["first_step_unix"] - launched)
     return result

@@ -21,7 +21,6 @@ import json
 import os
 import pstats
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,10 +84,7 @@ def run_once(module: str, nproc: int, overrides: list[str], out: Path) -> tuple[
     run_dir = out / "run"
     target = ["-m", "project.bench.calls", "--child", module, str(out)]
     args = [*overrides, *FIXED_WORK, f"trainer.devices={nproc}", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(torchrun.command([*target, *args], nproc), capture_output=True,
-                          text=True, env=torchrun.environment())  # fmt: skip
-    if proc.returncode != 0:
-        raise SystemExit(f"{module} x{nproc} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    torchrun.run_to_end([*target, *args], nproc, f"{module} x{nproc}")
     from project.engine.shared.step_stats import STATS_FILE  # imports torch: not before here
 
     steps = len(json.loads((run_dir / STATS_FILE).read_text())["step_starts_s"])
@@ -125,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         help="training batches per epoch of the two runs (default 2 6)",
     )
     args, overrides = parser.parse_known_args(argv)
+    if args.nproc < 1:
+        parser.error("--nproc must be at least 1")
     overrides = [*overrides, f"trainer.max_epochs={args.epochs}"]
     steps_of: dict[tuple[str, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,9 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                 steps_of[(trainer, nproc)] = per_step(short, long, n_long - n_short)
     print(table({key: sum(calls.values()) for key, calls in steps_of.items()}))
     if "raw" in TRAINERS:
-        nproc = max(args.nproc, 1)
-        print(f"\nCalls per step Lightning adds most, {nproc} process(es):")
-        print(most_added(steps_of[("lightning", nproc)], steps_of[("raw", nproc)]))
+        print(f"\nCalls per step Lightning adds most, {args.nproc} process(es):")
+        print(most_added(steps_of[("lightning", args.nproc)], steps_of[("raw", args.nproc)]))
 
 
 if __name__ == "__main__":

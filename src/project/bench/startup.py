@@ -20,7 +20,6 @@ import atexit
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -125,12 +124,9 @@ def run_once(trainer: str, nproc: int, overrides: list[str], work: Path) -> dict
     run_dir, marks_file = work / "run", work / "marks.json"
     args = [*SHORT, *overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
     wrapper = ["-m", "project.bench.startup", "--child", TRAINERS[trainer], str(marks_file)]
-    cmd = torchrun.command([*wrapper, *args], nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = torchrun.environment(OMP_NUM_THREADS="1")
     launched = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{trainer} x{nproc} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    torchrun.run_to_end([*wrapper, *args], nproc, f"{trainer} x{nproc}", env)
     # Imports torch: here, not in the child's timing.
     from project.engine.shared.step_stats import STATS_FILE
 

@@ -31,6 +31,19 @@ def command(target: Sequence[str], nproc: int = 1) -> list[str]:
             f"--nproc-per-node={nproc}", *target]  # fmt: skip
 
 
+def run_to_end(
+    target: Sequence[str], nproc: int, what: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `command(target, nproc)` to its end with its output captured; exit with the output's
+    tail, naming `what`, if it failed (the compare and benchmark commands)."""
+    cmd = command(target, nproc)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or environment())
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return proc
+
+
 def environment(**extra: str) -> dict[str, str]:
     """This environment for a child job: one thread per rank unless OMP_NUM_THREADS is set
     (torchrun sets 1 only for several processes per node), plus `extra`."""
