@@ -218,7 +218,9 @@ def test_a_user_stream_over_uneven_shards_trains_on_2_ranks_x_2_workers(
 ) -> None:
     """A user's ShardedStream over 3 shard files of different lengths, 2 epochs: every sample
     is read each epoch, validation reads each exactly once, both ranks read the same number
-    (the same steps: nobody waits in a collective for a rank that ran out), and it ends."""
+    (the same steps: nobody waits in a collective for a rank that ran out), and it ends. The
+    workers were forked by the fork server, not by their rank (project.engine.shared.
+    worker_start: a rank forked beside gloo's threads can leave its worker hung in os.fork)."""
     data = user_data(tmp_path, "StreamDataModule", folder=shard_files(tmp_path / "shards"))
     cmd = [*launcher(["-m", "project.train"]), *base_args, *data, "trainer.max_epochs=2",
            "trainer.num_sanity_val_steps=0", "test=false"]  # fmt: skip
@@ -233,6 +235,8 @@ def test_a_user_stream_over_uneven_shards_trains_on_2_ranks_x_2_workers(
     assert set(both) == set(range(121)) and min(both.values()) >= 2  # every sample, each epoch
     val = collections.Counter(int(v) for r in (0, 1) for s, v in reads[r] if s == "val")
     assert val == collections.Counter({i: 2 for i in range(121)})  # once per validation
+    parents = [f.read_text().split() for f in tmp_path.glob("parents-rank*-worker*.txt")]
+    assert len(parents) == 4 and all(forked_by != rank for forked_by, rank in parents), parents
 
 
 STREAM_2X2 = ["data.num_workers=2", "trainer.max_epochs=3", "step_stats=true"]
@@ -252,14 +256,11 @@ def test_data_chars_stream_trains_bitwise_alike_in_both_trainers(
 def test_data_chars_stream_resumes_exactly_after_a_mid_epoch_preemption(
     chars_shards: Path, base_args, log_dir: Path
 ) -> None:
-    """Each trainer stopped mid-epoch (2 processes) and rerun ends with the weights of the
-    uninterrupted run: the stream's position is (epoch, batches done), nothing more. Without
-    DataLoader workers here: this job hung twice in 6 rounds with 2 workers, a worker stuck
-    in os.fork() (docs/data.md). With workers the skip is checked by
-    test_a_stream_is_split_across_ranks_and_workers, and the whole resume with workers by
-    test_fault_tolerance's both-digits-2-workers."""
-    args = [*base_args, *stream_args(chars_shards), *STREAM_2X2, "data.num_workers=0",
-            "test=false", "callbacks.early_stopping=null"]  # fmt: skip
+    """Each trainer stopped mid-epoch (2 processes x 2 DataLoader workers) and rerun ends with
+    the weights of the uninterrupted run: the stream's position is (epoch, batches done),
+    nothing more, whatever the workers had read ahead."""
+    args = [*base_args, *stream_args(chars_shards), *STREAM_2X2, "test=false",
+            "callbacks.early_stopping=null"]  # fmt: skip
     code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="whole"), 240)
     assert code == 0, out[-3000:]
     for module in TRAINERS.values():

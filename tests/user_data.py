@@ -1,10 +1,12 @@
 """LightningDataModules written the way Lightning's docs show them (plain DataLoaders, no
 sharding, no resumable sampler), a weighted sampler, a user's own sharded stream, and a bug:
 what users bring. Every sample read is recorded in <record_dir>/reads-rank<R>[-worker<W>].txt
-so tests can see which rank (and worker) read what."""
+so tests can see which rank (and worker) read what; a stream's workers also record their
+parents in <record_dir>/parents-rank<R>-worker<W>.txt."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -97,9 +99,13 @@ class ShardFiles(ShardedStream):
 
     def sample(self, v: int) -> tuple[torch.Tensor, torch.Tensor]:
         info = get_worker_info()
-        where = Path(self.record_dir) / f"reads-rank{rank()}-worker{info.id if info else 0}.txt"
-        with open(where, "a") as f:
+        record = Path(self.record_dir)
+        name = f"rank{rank()}-worker{info.id if info else 0}.txt"
+        with open(record / f"reads-{name}", "a") as f:
             f.write(f"{self.split} {v}\n")
+        if info:  # the process that forked this worker, and the rank it serves
+            parent = multiprocessing.parent_process()
+            (record / f"parents-{name}").write_text(f"{os.getppid()} {parent and parent.pid}")
         x = torch.rand(64, generator=torch.Generator().manual_seed(v))
         x[-1] = v  # the id, so a test can tell the samples of a batch
         return x, torch.tensor(v % 10)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from project.engine.config.compose import CONFIG_DIR, to_plain
 from project.engine.errors import UserError
 from project.engine.run import cli
+from project.engine.shared.worker_start import configure_worker_start
 
 log = logging.getLogger("project.eval")
 
@@ -75,6 +76,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
     ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)  # before Lightning loads
     data = data_config(ckpt, cfg)
+    configure_worker_start(cfg.get("worker_start_method"), data, "project.eval")  # imports now
 
     from project.engine.launch import ddp
     from project.engine.launch.exits import close_process_group

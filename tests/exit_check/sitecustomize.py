@@ -10,8 +10,8 @@ import sys
 
 def _report() -> None:
     dist = sys.modules.get("torch.distributed")
-    if "RANK" not in os.environ or dist is None:
-        return
+    if "RANK" not in os.environ or dist is None or sys.argv[0] == "-c":
+        return  # not a rank (`-c`: a rank's fork server or resource tracker, RANK inherited)
     state = "left open" if dist.is_available() and dist.is_initialized() else "closed"
     sys.stderr.write(f"exit check: rank {os.environ['RANK']} process group {state}\n")
 

@@ -100,6 +100,7 @@ class RunSchema:
     optimized_metric: str | None = None
     optimized_mode: Literal["min", "max"] | None = None
     step_stats: bool | None = None
+    worker_start_method: Literal["forkserver", "fork", "spawn"] | None = None
 
 
 # Config key (dotted; "" is the root) -> its schema, and the file name of its JSON schema.

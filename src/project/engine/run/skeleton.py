@@ -29,6 +29,7 @@ from project.engine.errors import UserError
 from project.engine.launch.env import is_rank_zero
 from project.engine.launch.exits import EXIT_PREEMPTED, Preempted, close_process_group
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
+from project.engine.shared.worker_start import configure_worker_start
 
 if TYPE_CHECKING:
     from project.engine.checkpoints.resume import Resume
@@ -88,6 +89,9 @@ def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[st
         return read_metrics(output_dir)
     # /feature:slurm
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
+    if not (sweep_job and topology.world_size > 1):  # this process trains
+        # a fork server for its DataLoader workers: started here, it imports while preflight does
+        configure_worker_start(cfg.get("worker_start_method"), cfg.get("data"), trainer.module)
     found = preflight(cfg, output_dir, topology, trainer)
     if isinstance(found, dict):
         return found  # a finished run's results

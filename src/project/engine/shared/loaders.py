@@ -6,8 +6,13 @@ seconds at every start for nothing.
 
 from __future__ import annotations
 
+import random
+from functools import partial
 from typing import Any
 
+import numpy as np
+import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
@@ -43,7 +48,21 @@ def plain_loader(
     shuffle = shuffle and stage == "train"
     if isinstance(dataset, ShardedStream):
         dataset.shuffle, shuffle = shuffle, False
+    rank = dist.get_rank() if dist.is_initialized() else 0
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
         pin_memory=pin_memory, persistent_workers=persistent_workers and num_workers > 0,
+        worker_init_fn=partial(seed_worker, rank=rank) if num_workers > 0 else None,
     )  # fmt: skip
+
+
+def seed_worker(worker_id: int, rank: int) -> None:
+    """Seed a DataLoader worker's torch, numpy and random from its torch seed and the rank.
+    Torch seeds each worker from a base drawn from the rank's generator + the worker's id;
+    that generator is seeded alike on every rank, so without the rank mixed in worker w of
+    every rank would draw (augment) alike. Lightning's pl_worker_init_function does the same,
+    but a worker that unpickles it imports Lightning (seconds, at every worker start)."""
+    seeds = np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(4)
+    torch.manual_seed(int(seeds[0]) << 32 | int(seeds[1]))
+    random.seed(int(seeds[2]))
+    np.random.seed(int(seeds[3]))
