@@ -76,7 +76,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
     ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)  # before Lightning loads
     data = data_config(ckpt, cfg)
-    configure_worker_start(cfg.get("worker_start_method"), data, "project.eval")  # imports now
+    # the workers' fork server: started before Lightning loads, it imports meanwhile
+    configure_worker_start(cfg.get("worker_start_method"), data, "project.eval")
 
     from project.engine.launch import ddp
     from project.engine.launch.exits import close_process_group

@@ -89,13 +89,13 @@ def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[st
         return read_metrics(output_dir)
     # /feature:slurm
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
-    if not (sweep_job and topology.world_size > 1):  # this process trains
-        # a fork server for its DataLoader workers: started here, it imports while preflight does
+    relaunched = sweep_job and topology.world_size > 1  # its own torchrun job trains it
+    if not relaunched:  # the DataLoader workers' fork server, importing while preflight does
         configure_worker_start(cfg.get("worker_start_method"), cfg.get("data"), trainer.module)
     found = preflight(cfg, output_dir, topology, trainer)
     if isinstance(found, dict):
         return found  # a finished run's results
-    if sweep_job and topology.world_size > 1:
+    if relaunched:
         relaunch(cfg, trainer, output_dir, topology, list(hydra_cfg.overrides.task))
         return read_metrics(output_dir)
     prepare(found, trainer)

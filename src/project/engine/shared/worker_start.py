@@ -11,11 +11,12 @@ waits for a batch that never comes (docs/data.md has the measured story).
 
 So the template starts workers the way Python 3.14 does by default: from a fork server, a
 single-threaded process started before training; each worker is forked from it, never from a
-rank. The server imports torch, the entry module and the data's modules once (its preload),
-so a worker starts in about the time a fork takes. The price: a worker receives the dataset
-pickled, so a dataset must pickle (a lambda or an open file handle in it fails at the first
-epoch, in the rank, with Python's pickling error). `worker_start_method=fork` is PyTorch's
-default on Linux, for datasets that cannot pickle, at the risk above on older CPython.
+rank. The server imports torch, what the entry point imports and the dataset's module once
+(its preload), so a worker starts in about the time a fork takes. The price: a worker
+receives the dataset pickled, so a dataset must pickle (an open file handle or a lambda in
+it fails at the first epoch, in the rank, with Python's pickling error).
+`worker_start_method=fork` is PyTorch's default on Linux, for datasets that cannot pickle,
+at the risk above on older CPython.
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ def preload(data: Mapping[str, Any], entry_module: str) -> list[str]:
     the dataset's (`data.dataset._target_`), else the user's datamodule's (`data._target_`;
     one that imports Lightning would otherwise cost every worker seconds)."""
     dataset = data.get("dataset")
-    target = (dataset.get("_target_") if isinstance(dataset, Mapping) else None) or data.get(
-        "_target_"
-    )
+    target = dataset.get("_target_") if isinstance(dataset, Mapping) else None
+    target = target or data.get("_target_")
     data_module = [target.rpartition(".")[0]] if target else []
     return list(dict.fromkeys([*ENGINE, *imports_of(entry_module), *data_module]))
 
