@@ -20,7 +20,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install train eval test test-slow test-all lint format schema
+.PHONY: install train eval test test-slow test-all lint format schema gpu-check
 
 # Re-installs only when pyproject.toml changes (or the venv is missing): a second run is a no-op.
 # train/eval need the project alone; test, lint and schema also the dev extras (test tools and
@@ -67,6 +67,12 @@ lint: $(DEV_STAMP)
 format: $(DEV_STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
+
+# What only a GPU shows (precisions, compile, pinned memory and workers with CUDA, a bitwise
+# resume, throughput and MFU): one line per check, under 5 minutes on one GPU; without CUDA one
+# line and exit 0. src/project/gpu_check.py says what each check runs.
+gpu-check: $(STAMP)
+	$(PY) -m project.gpu_check $(ARGS)
 
 # schema/<group>.json (for editors) from the typed-config dataclasses in
 # src/project/engine/schema.py; a test fails while the committed files are stale.

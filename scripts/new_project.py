@@ -43,7 +43,7 @@ FEATURES = {
               "src/hydra_plugins/submitit_slurm_launcher.py",
               f"src/{OLD}/engine/cluster/slurm_job.py", f"src/{OLD}/engine/cluster/slurm_queue.py",
               "tests/test_slurm.py", "tests/test_slurm_job.py", "tests/slurm_cluster.sh"],
-    "k8s": ["launch/k8s/"],
+    "k8s": ["launch/k8s/", "tests/test_k8s.py"],
     "sweeps": ["configs/hparams_search/", "src/hydra_plugins/optuna_sqlite_sweeper.py",
                f"src/{OLD}/engine/cluster/sweeper.py", "tests/test_sweep.py", "docs/sweeps.md"],
     "tracking": ["configs/logger/mlflow.yaml", "configs/logger/wandb.yaml",

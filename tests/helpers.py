@@ -205,6 +205,27 @@ def user_data(tmp_path: Path, target: str, **params: object) -> list[str]:
     return ["data=user", f"hydra.searchpath=[file://{tmp_path}/configs]", *QUIET]
 
 
+def recorded_data(tmp_path: Path, rows: int) -> list[str]:
+    """Overrides that train on `rows` rows of tests.user_data.RecordedSource (a DataSource, so
+    both trainers read it; every read recorded in `tmp_path`), through a data config written
+    there: the template's datamodule settings, another dataset."""
+    configs = tmp_path / "configs" / "data"
+    configs.mkdir(parents=True, exist_ok=True)
+    digits = (CONFIG_DIR / "data" / "digits.yaml").read_text().split("dataset:")[0]
+    (configs / "recorded.yaml").write_text(
+        f"{digits}dataset:\n  _target_: tests.user_data.RecordedSource\n"
+        f"  record_dir: {tmp_path}\n  n_train: {rows}\n"
+    )
+    return [f"hydra.searchpath=[file://{tmp_path}/configs]", "data=recorded"]
+
+
+def recorded_reads(record_dir: Path, tag: str) -> list[list[int]]:
+    """What each rank (by rank) of one attempt read of the train split, in order."""
+    files = sorted(record_dir.glob(f"reads-{tag}-rank*.txt"))
+    return [[int(line.split()[1]) for line in f.read_text().splitlines()
+             if line.startswith("train")] for f in files]  # fmt: skip
+
+
 def options(group: str) -> list[str]:
     """The option names of a config group (its YAML files)."""
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))

@@ -46,3 +46,12 @@ def test_calls_command_prints_both_trainers_and_lightning_without_its_profiler()
     # The template's NoProfiler replaced Lightning's default profiler on every hook call.
     assert "project/engine/lightning/build.py" in listing, listing
     assert "lightning/pytorch/profilers/profiler.py" not in listing, listing
+
+
+@pytest.mark.quick
+def test_draws_command_prints_one_ranks_cost() -> None:
+    proc = run_script("-m project.bench.draws", ["--draws", "100000", "--sampler", "random"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = re.search(r"random sampler, 100000 draws, rank 1 of 4: start-up ([\d.]+) s, first "
+                     r"10 batches ([\d.]+) s, peak RSS (\d+) MB", proc.stdout)  # fmt: skip
+    assert line and int(line[3]) > 0, proc.stdout

@@ -137,7 +137,7 @@ def test_the_trainer_flags_alone_switch_their_callback_off(compose_train, flag: 
     for value in (True, False):
         cfg = compose_train([f"trainer.{flag}={value}"])
         topology = ddp.resolve_topology(cfg.trainer)
-        run = Run(cfg, Path(cfg.paths.output_dir), topology, Resume(), None)
+        run = Run(cfg, Path(cfg.paths.output_dir), topology, Resume(), None, identity={})
         found = callbacks(run, loggers=[])
         assert any(isinstance(c, kind) for c in found) == value
         instantiate(cfg.trainer, callbacks=found, logger=False)  # Lightning accepts it

@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_same_weights,
     exit_check_env,
     finish,
+    launcher,
     start,
 )
 
@@ -298,3 +299,45 @@ def test_stop_check_adapts_to_the_stop_budget(base_args, log_dir) -> None:
     assert code == EXIT_PREEMPTED, out[-3000:]
     assert "Stopped by a signal at step 25" in out  # not 29: the default every-10 check
     assert out.count("more than the stop budget") == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("module", list(TRAINERS.values()))
+def test_a_rank_hung_after_the_first_step_fails_on_the_step_timeout(base_args, module) -> None:
+    """Rank 1 stops responding at step 5 (alive, its connections open): the other rank gives
+    up after strategy.step_timeout_s, not after strategy.timeout (600 s), and the job ends
+    with no process left. The first step, validation and saves keep the long timeout."""
+    args = [*base_args, *ARGS, "fault_injection.at_step=5", "fault_injection.rank=1",
+            "fault_injection.mode=hang", "strategy.step_timeout_s=5"]  # fmt: skip
+    began = time.monotonic()
+    code, out = finish(start(launcher(["-m", module, *args])), timeout=240)
+    assert code != 0 and "fault injection: hang on rank 1 at step 5" in out, out[-3000:]
+    # 5 s, start-up, and torchrun's 30 s before it kills the hung rank: far from 600 s
+    assert time.monotonic() - began < 200, out[-3000:]
+
+
+@pytest.mark.quick
+def test_the_step_timeout_starts_at_the_second_window_after_anything_long(monkeypatch) -> None:
+    """The short timeout never covers an attempt's first step, an epoch's first window (its
+    workers starting), or the window after validation or a save: by the second window every
+    rank has passed a collective since."""
+    import datetime
+
+    from project.engine.launch import ddp
+
+    set_to: list[float] = []
+    monkeypatch.setattr(ddp, "set_collective_timeout", lambda t: set_to.append(t.seconds))
+    timeouts = ddp.CollectiveTimeout(5, datetime.timedelta(seconds=600), world_size=2)
+    timeouts.in_steps()  # the attempt's first window (a resumed one too)
+    assert set_to == []
+    timeouts.in_steps()
+    timeouts.in_steps()
+    assert set_to == [5]
+    timeouts.outside_steps()  # a save, validation, the epoch's end
+    timeouts.in_steps()
+    assert set_to == [5, 600]
+    timeouts.in_steps()
+    assert set_to == [5, 600, 5]
+    alone = ddp.CollectiveTimeout(5, None, world_size=1)  # one process waits for no one
+    alone.in_steps(), alone.in_steps()
+    assert set_to == [5, 600, 5]

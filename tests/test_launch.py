@@ -211,6 +211,11 @@ def dry_run(script: str, *args: str, **env: str) -> str:
     return out
 
 
+# The rendezvous settings multinode.sh passes (docs/elastic.md), for a given RDZV_TIMEOUT.
+RDZV_CONF = ("join_timeout={0}\\,timeout={0}\\,last_call_timeout=5\\,keep_alive_interval=2"
+             "\\,keep_alive_max_attempt=3")  # fmt: skip
+
+
 def test_printed_torchrun_commands() -> None:
     py = os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python"))
     out = dry_run("single_node.sh", "model=cnn", NPROC_PER_NODE="4", PYTHON=py)
@@ -224,15 +229,16 @@ def test_printed_torchrun_commands() -> None:
     assert "# NCCL_SOCKET_IFNAME=ib0" in out
     assert out.splitlines()[-1] == (
         f"+ {py} -m project.launcher --nnodes=2 --nproc-per-node=8 --max-restarts=3 "
-        "--rdzv-conf=join_timeout=300\\,timeout=300 "
+        f"--monitor-interval=0.1 --rdzv-conf={RDZV_CONF.format(300)} "
         "--node-rank=1 --master-addr=10.0.0.1 --master-port=1234 -m project.train x=1"
     )
     out = dry_run("multinode.sh", NNODES="1:4", NPROC_PER_NODE="2", RDZV_ENDPOINT="localhost:29400",
-                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", RDZV_TIMEOUT="60",
-                  PYTHON=py)  # fmt: skip
+                  RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", RDZV_TIMEOUT="60", RDZV_LAST_CALL="9",
+                  MONITOR_INTERVAL="0.5", PYTHON=py)  # fmt: skip
     assert out.splitlines()[-1] == (
         f"+ {py} -m project.launcher --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
-        "--rdzv-conf=join_timeout=60\\,timeout=60 --rdzv-backend=c10d "
+        f"--monitor-interval=0.5 --rdzv-conf={RDZV_CONF.format(60).replace('=5', '=9')} "
+        "--rdzv-backend=c10d "
         "--rdzv-endpoint=localhost:29400 --rdzv-id=job7 --local-addr=10.0.0.5 -m project.train"
     )
     # feature:raw
@@ -264,6 +270,9 @@ def test_master_port_follows_the_job() -> None:
             "MASTER_ADDR=no-such-host.invalid does not resolve",
         ),
         ({"RDZV_ENDPOINT": "localhost"}, "RDZV_ENDPOINT=localhost must be host:port"),
+        ({"RDZV_LAST_CALL": "5s"}, "RDZV_LAST_CALL=5s must be a whole number >= 1"),
+        ({"RDZV_KEEP_ALIVE": "0"}, "RDZV_KEEP_ALIVE=0 must be a whole number >= 1"),
+        ({"MONITOR_INTERVAL": "fast"}, "MONITOR_INTERVAL=fast must be a number of seconds > 0"),
     ],
 )
 def test_launch_input_is_checked_before_torchrun(env: dict, message: str) -> None:

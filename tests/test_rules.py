@@ -113,7 +113,7 @@ def test_an_explicit_checkpoint_may_change_all_but_the_network() -> None:
 def run_of(tmp_path: Path, train: bool, test_ckpt: str, resume: Resume) -> Run:
     cfg = OmegaConf.create({"train": train, "test_ckpt": test_ckpt})
     last = tmp_path / "last.ckpt"
-    return Run(cfg, tmp_path, topology=None, resume=resume, last=last)  # type: ignore[arg-type]
+    return Run(cfg, tmp_path, None, resume, last, identity={})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

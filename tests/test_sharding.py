@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
+from project.engine.data import sharding
+from project.engine.data.samplers import EvalShardSampler, ResumableSampler, ShardedDraws
+from project.engine.data.sharding import resume_at, set_epoch, shard_loader
 from project.engine.errors import UserError
 from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from project.engine.shared import sharding
-from project.engine.shared.samplers import EvalShardSampler, ResumableSampler, ShardedDraws
-from project.engine.shared.sharding import resume_at, set_epoch, shard_loader
 from tests.helpers import assert_same_weights, finish, launcher, start, torchrun, user_data
 from tests.user_data import balancing_weights
 
@@ -37,7 +37,7 @@ def test_a_plain_shuffled_loader_is_sharded_and_resumable() -> None:
     assert set(seen[0]) | set(seen[1]) == set(range(101)) and len(seen[0]) == len(seen[1]) == 51
     assert shards[0].batch_size == 10 and seen[0] != sorted(seen[0])  # shuffled
     assert indices(shards[0]) == seen[0]  # the order is a function of (seed, epoch) only
-    assert resume_at(shards[0], 0, 2)
+    assert resume_at(shards[0], 0, 2 * 10 * 2)  # 2 batches of 10 on each of 2 ranks
     assert indices(shards[0]) == seen[0][20:]  # a mid-epoch resume continues where it was
 
 
@@ -128,7 +128,7 @@ def test_a_weighted_sampler_is_shared_out_draw_by_draw() -> None:
     drawn = indices(shards[0]) + indices(shards[1])
     assert abs(sum(i % 10 == 0 for i in drawn) / len(drawn) - 0.5) < 0.15  # balanced classes
     whole = indices(shards[1])
-    assert resume_at(shards[1], 1, 3) and indices(shards[1]) == whole[24:]
+    assert resume_at(shards[1], 1, 3 * 8 * 2) and indices(shards[1]) == whole[24:]
     set_epoch(shards[1], 0)
     assert indices(shards[1]) == rank_shares(weighted_draws(n, 5), 2)[1]  # that epoch only
 
@@ -152,7 +152,7 @@ def test_a_custom_batch_sampler_is_shared_out_batch_by_batch() -> None:
     assert all(b[1] == b[0] + 1 and b[0] % 2 == 0 for b in batches[0] + batches[1])  # kept whole
     assert sorted(i for b in batches[0] + batches[1] for i in b) == list(range(100))
     assert [[b.tolist() for (b,) in s] for s in shards] == batches  # seeded, not global RNG
-    assert resume_at(shards[0], 0, 20) and [b.tolist() for (b,) in shards[0]] == batches[0][20:]
+    assert resume_at(shards[0], 0, 20 * 2) and [b.tolist() for (b,) in shards[0]] == batches[0][20:]
     val = [[b.tolist() for (b,) in shard_loader(plain, "val", 3, r, 1)] for r in range(3)]
     assert sorted(i for v in val for b in v for i in b) == list(range(100))  # once, no padding
 

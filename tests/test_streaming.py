@@ -16,11 +16,11 @@ from project.data.prepare import prepare
 from project.data.shards import load_shard, read_index
 from project.data.text import CharCorpus
 from project.data.text_stream import CharStream
+from project.engine.data.loaders import plain_loader
+from project.engine.data.sharding import resume_at, set_epoch, shard_loader
 from project.engine.errors import UserError
 from project.engine.launch.exits import EXIT_PREEMPTED
 from project.engine.launch.torchrun import TRAINERS
-from project.engine.shared.loaders import plain_loader
-from project.engine.shared.sharding import resume_at, set_epoch, shard_loader
 from tests.helpers import (
     CHARLM,
     assert_one_line_error,
@@ -30,6 +30,7 @@ from tests.helpers import (
     launcher,
     logged_metrics,
     run_script,
+    run_trainer,  # feature:raw
     start,
     user_data,
 )
@@ -101,7 +102,7 @@ def test_a_stream_is_split_across_ranks_and_workers(tmp_path: Path, workers: int
         set_epoch(t, 1)
     second = [ids(t) for t in train]
     assert second != per_rank  # a new order every epoch
-    assert resume_at(train[1], 0, 3) and ids(train[1]) == per_rank[1][3:]
+    assert resume_at(train[1], 0, 3 * 8 * 2) and ids(train[1]) == per_rank[1][3:]
     set_epoch(train[1], 1)
     assert ids(train[1]) == second[1]  # the resume was for that epoch only
 
@@ -219,7 +220,7 @@ def test_a_user_stream_over_uneven_shards_trains_on_2_ranks_x_2_workers(
     """A user's ShardedStream over 3 shard files of different lengths, 2 epochs: every sample
     is read each epoch, validation reads each exactly once, both ranks read the same number
     (the same steps: nobody waits in a collective for a rank that ran out), and it ends. The
-    workers were forked by the fork server, not by their rank (project.engine.shared.
+    workers were forked by the fork server, not by their rank (project.engine.data.
     worker_start: a rank forked beside gloo's threads can leave its worker hung in os.fork)."""
     data = user_data(tmp_path, "StreamDataModule", folder=shard_files(tmp_path / "shards"))
     cmd = [*launcher(["-m", "project.train"]), *base_args, *data, "trainer.max_epochs=2",
@@ -249,6 +250,19 @@ def test_data_chars_stream_trains_bitwise_alike_in_both_trainers(
 ) -> None:
     """2 processes x 2 DataLoader workers, shuffled shards: the same loss at every step."""
     assert_parity(tmp_path, [*base_args, *stream_args(chars_shards), *STREAM_2X2], nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_gets_its_epoch_without_any_callback(
+    chars_shards: Path, base_args, tmp_path: Path
+) -> None:
+    """callbacks=none (no FaultTolerance, which once set a stream's epoch): both trainers still
+    read a new order every epoch, so their losses stay bitwise alike over 3 epochs."""
+    args = [*base_args, *stream_args(chars_shards), *STREAM_2X2, "callbacks=none"]
+    losses = [run_trainer(module, args, tmp_path / name, nproc=2)["losses"]
+              for name, module in TRAINERS.items()]  # fmt: skip
+    assert len(losses[0]) >= 30 and losses[0] == losses[1]
 
 
 # /feature:raw

@@ -1,4 +1,4 @@
-"""How DataLoader workers start (project.engine.shared.worker_start). That a rank's workers
+"""How DataLoader workers start (project.engine.data.worker_start). That a rank's workers
 really come from the fork server under DDP is checked end to end in tests/test_streaming.py
 (test_a_user_stream_over_uneven_shards_trains_on_2_ranks_x_2_workers)."""
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from project.engine.shared.loaders import plain_loader, seed_worker
-from project.engine.shared.worker_start import configure_worker_start, imports_of, preload
+from project.engine.data.loaders import plain_loader, seed_worker
+from project.engine.data.worker_start import configure_worker_start, imports_of, preload
 
 pytestmark = pytest.mark.quick
 
@@ -39,7 +39,7 @@ def start_method() -> Iterator[None]:
 
 def test_the_server_preloads_torch_the_entry_points_imports_and_the_datasets_module() -> None:
     modules = preload(DATA, "project.train")
-    assert modules[:2] == ["torch", "project.engine.shared.loaders"]
+    assert modules[:2] == ["torch", "project.engine.data.loaders"]
     assert "project.engine.run.skeleton" in modules and "hydra" in modules  # what it imports
     assert "project.train" not in modules  # a worker runs it again: runpy warns if loaded
     assert modules[-1] == "project.data.digits"  # what a worker unpickles: not Lightning's

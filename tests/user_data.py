@@ -1,8 +1,11 @@
 """LightningDataModules written the way Lightning's docs show them (plain DataLoaders, no
 sharding, no resumable sampler), a weighted sampler, a user's own sharded stream, and a bug:
 what users bring. Every sample read is recorded in <record_dir>/reads-rank<R>[-worker<W>].txt
-so tests can see which rank (and worker) read what; a stream's workers also record their
-parents in <record_dir>/parents-rank<R>-worker<W>.txt."""
+(reads-<RECORD_TAG>-rank<R>.txt when that variable is set: one file per attempt of a run; a
+`{restart}` in it is torchrun's restart count) so
+tests can see which rank (and worker) read what; a stream's workers also record their
+parents in <record_dir>/parents-rank<R>-worker<W>.txt. `RecordedSource` is the same data as a
+DataSource, which both trainers read."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler, get_worker_info
 
+from project.data.source import DataSource
 from project.data.stream import ShardedStream
 
 
@@ -34,11 +38,28 @@ class Recorded(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with open(Path(self.record_dir) / f"reads-rank{rank()}.txt", "a") as f:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        tag = os.environ.get("RECORD_TAG", "").format(restart=restart)
+        tag = f"{tag}-" if tag else ""
+        with open(Path(self.record_dir) / f"reads-{tag}rank{rank()}.txt", "a") as f:
             f.write(f"{self.split} {i}\n")
         g = torch.Generator().manual_seed(self.offset + i)
         x = torch.rand(64, generator=g)
         return x, (x[:10].argmax()).long()
+
+
+class RecordedSource(DataSource):
+    """`Recorded` samples as a data source (`data.dataset._target_`): both trainers read it."""
+
+    def __init__(self, record_dir: str, n_train: int = 400, n_val: int = 101) -> None:
+        self.record_dir, self.sizes = record_dir, {"train": n_train, "val": n_val, "test": n_val}
+
+    def prepare(self) -> None:
+        pass
+
+    def dataset(self, split: str) -> Dataset:
+        offset = {"train": 0, "val": 10**6, "test": 2 * 10**6}[split]
+        return Recorded(split, self.sizes[split], offset, self.record_dir)
 
 
 class PlainDataModule(pl.LightningDataModule):

@@ -14,9 +14,9 @@ import hydra
 from omegaconf import DictConfig
 
 from project.engine.config.compose import CONFIG_DIR, to_plain
+from project.engine.data.worker_start import configure_worker_start
 from project.engine.errors import UserError
 from project.engine.run import cli
-from project.engine.shared.worker_start import configure_worker_start
 
 log = logging.getLogger("project.eval")
 

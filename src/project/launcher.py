@@ -13,6 +13,8 @@ the failure handling a training job needs, which torchrun lacks:
 - SIGUSR1 and SIGUSR2 (SLURM's early warning: the sbatch recipe's and submitit's) are
   forwarded to the workers like SIGTERM and SIGINT, not fatal to the launcher alone; a
   repeated signal while the workers are saving does not cut their shutdown short.
+- At the end an agent waits only for the peers still alive (torchrun waits up to 300 s for
+  every agent, also for one whose node died after the others had finished).
 - A rendezvous that does not complete (a node never started, a wrong address) is one line
   naming the likely causes; the scripts bound its wait with `--rdzv-conf`.
 
@@ -41,7 +43,11 @@ from project.engine.launch.exits import (
     NO_RESTART,
     worker_exits,
 )
-from project.engine.private_api import restart_only_crashes, signals_once
+from project.engine.private_api import (
+    exit_barrier_on_live_peers,
+    restart_only_crashes,
+    signals_once,
+)
 
 EXTRA_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
@@ -111,6 +117,7 @@ def launch(argv: list[str]) -> int:
             args.signals_to_handle += f",{name}"
     state: dict[str, Any] = {"signal": None, "done": False}
     restart_only_crashes(LocalElasticAgent, NO_RESTART)
+    exit_barrier_on_live_peers(LocalElasticAgent)
     signals_once(mp_api, state)
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
     folder = tempfile.mkdtemp(prefix="project-exit-")

@@ -44,7 +44,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     from project.engine.raw.trainer import RawTrainer
 
     cfg, resume = run.cfg, run.resume
-    trainer = RawTrainer(cfg, run.output_dir)
+    trainer = RawTrainer(cfg, run.output_dir, run.identity, run.command)
     metrics: dict[str, float] = {}
     try:
         if resume.path:

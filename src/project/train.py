@@ -45,7 +45,8 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     strategy = build.strategy(run)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = instantiate(cfg.data)
-    shard_datamodule(datamodule, cfg.seed)  # any datamodule's loaders: sharded, resumable
+    # Any datamodule's loaders: sharded, resumable, started where a resumed epoch stood.
+    shard_datamodule(datamodule, cfg.seed, run.position, cfg.get("keep_global_batch", True))
     model: pl.LightningModule = instantiate(cfg.model)
     loggers = build.instantiate_all(cfg.get("logger"))
     callbacks = build.callbacks(run, loggers)

@@ -77,7 +77,7 @@ def child(module: str, overrides: list[str], marks_file: str) -> None:
 
         marks["lightning"] = time.time()
         pl.Trainer._run_sanity_check = timed(marks, "sanity", pl.Trainer._run_sanity_check)
-    from project.engine.shared import loaders
+    from project.engine.data import loaders
 
     loaders.build_source = timed_source(marks, loaders.build_source)  # before its importers
     dist.init_process_group = timed(marks, "pg", dist.init_process_group)

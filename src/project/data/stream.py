@@ -2,22 +2,24 @@
 
 Subclass `ShardedStream`, give it the shards' lengths and a `read(shard)` that returns the
 shard's elements with random access (a memory-mapped array, a decoded file): the machinery
-(project.engine.shared.sharding) tells it the world, rank and batch size, and it yields this
+(project.engine.data.sharding) tells it the world, rank and batch size, and it yields this
 rank's part in an order that is a pure function of (seed, epoch):
 
 - the epoch's order: shards in a seeded order, each shard's elements in a seeded order (both
-  only when `shuffle`), the same on every rank;
-- rank r of w takes a contiguous block of that order, so it opens about 1/w of the shards.
-  Training blocks all have ceil(n/w) positions (the last ones wrap to the epoch's first
-  elements, as DistributedSampler pads), so every rank runs the same number of steps and no
-  rank waits in a collective for one that ran out; validation/test blocks do not wrap (each
-  element exactly once; evaluation runs no per-batch collective);
-- the block is cut into batches, and batch b goes to DataLoader worker b % num_workers: the
-  DataLoader collects workers round-robin, so the batches arrive in the same order for any
-  number of workers (the same losses with 0 or 4 workers);
-- `skip(k)` starts this epoch after the block's first k elements: a mid-epoch resume is exact
-  without any worker state to save (the workers get the dataset, and so the position, when
-  the epoch's iterator starts).
+  only when `shuffle`), the same on every rank and at every world size;
+- rank r of w reads positions r, r+w, r+2w, ... of that order (`rank_positions`, the layout
+  every loader shape of the template shares): optimizer step s of all ranks together reads
+  positions [s*G, (s+1)*G) for a global batch G, whatever the world size. Training pads to
+  a multiple of w with the epoch's first elements (as DistributedSampler pads), so every
+  rank runs the same number of steps and no rank waits in a collective for one that ran
+  out; validation/test do not pad (each element exactly once; evaluation runs no per-batch
+  collective). The ranks walk the shards together, each reading 1/w of every shard;
+- the rank's positions are cut into batches, and batch b goes to DataLoader worker
+  b % num_workers: the DataLoader collects workers round-robin, so the batches arrive in the
+  same order for any number of workers (the same losses with 0 or 4 workers);
+- `skip(p)` starts this epoch at global position p: a mid-epoch resume, also on another world
+  size, is exact without any worker state to save (the workers get the dataset, and so the
+  position, when the epoch's iterator starts).
 """
 
 from __future__ import annotations
@@ -31,20 +33,39 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 
+def rank_positions(total: int, world: int, rank: int, start: int = 0, mode: str = "pad") -> range:
+    """Rank `rank` of `world`'s positions in an epoch of `total`, from global position `start`
+    on: start+rank, start+rank+world, ... Positions >= total wrap to the epoch's first ones.
+
+    mode "pad" (training): every rank the same count, ceil((total-start)/world), as
+    DistributedSampler pads; "drop": floor, as DistributedSampler(drop_last=True); "exact"
+    (evaluation): every position below `total` exactly once over the ranks, none repeated.
+    With start=0 this is DistributedSampler's layout."""
+    left = max(total - start, 0)
+    if mode == "pad":
+        end = start + math.ceil(left / world) * world
+    elif mode == "drop":
+        end = start + left // world * world
+    else:
+        end = max(total, start)
+    return range(start + rank, end, world)
+
+
 class SkipInEpoch:
-    """A mid-epoch resume point: `skip(k)` makes the current epoch start after its first k
-    elements, other epochs are whole (the stream here, and the engine's samplers)."""
+    """A mid-epoch resume point: `skip(p)` makes the current epoch start at global position p
+    (what every rank of the interrupted run had read together, at any world size); other
+    epochs are whole (the stream here, and the engine's samplers)."""
 
     epoch = 0
-    _skip = (0, 0)  # (epoch, elements)
+    _skip = (0, 0)  # (epoch, global position)
 
-    def skip(self, items: int) -> None:
-        self._skip = (self.epoch, items)
+    def skip(self, position: int) -> None:
+        self._skip = (self.epoch, position)
 
     def first(self) -> int:
-        """Where this epoch starts: after the skipped elements if it is the resumed epoch."""
-        epoch, items = self._skip
-        return items if epoch == self.epoch else 0
+        """Where this epoch starts: the skipped-to position if it is the resumed epoch."""
+        epoch, position = self._skip
+        return position if epoch == self.epoch else 0
 
 
 class ShardedStream(SkipInEpoch, IterableDataset):
@@ -71,16 +92,18 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         self.epoch = epoch
 
     # --- the order -----------------------------------------------------------------------------
-    def block(self) -> range:
-        """This rank's positions in the epoch's order (those >= total wrap around)."""
-        n, w, r = self.total, self.world, self.rank
-        if self.pad:
-            per = math.ceil(n / w)
-            return range(r * per, (r + 1) * per)
-        return range(r * n // w, (r + 1) * n // w)
+    def positions(self, start: int = 0) -> range:
+        """This rank's positions in the epoch's order from global position `start` on (those
+        >= total wrap around: training's padding)."""
+        mode = "pad" if self.pad else "exact"
+        return rank_positions(self.total, self.world, self.rank, start, mode)
 
     def __len__(self) -> int:
-        return len(self.block())
+        return len(self.positions())
+
+    def left(self) -> int:
+        """How many elements this epoch still yields (fewer than len after a resume)."""
+        return len(self.positions(self.first()))
 
     def _orders(self) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's shard order and where each shard starts in the epoch's order."""
@@ -99,11 +122,11 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         )
 
     def _positions(self) -> Iterator[int]:
-        """This worker's positions: its batches (b % workers == worker) of the rank's block,
-        after the skipped elements."""
+        """This worker's positions: its batches (b % workers == worker) of the rank's
+        positions from where the epoch starts."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        block, size = self.block()[self.first() :], self.batch_size
+        block, size = self.positions(self.first()), self.batch_size
         for b in range(worker, math.ceil(len(block) / size), workers):
             yield from block[b * size : (b + 1) * size]
 
@@ -112,7 +135,7 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         current, elements, within = -1, None, None
         for p in self._positions():
             k = bisect.bisect_right(starts, p % self.total) - 1
-            if k != current:  # positions run through one shard at a time
+            if k != current:  # positions rise, so the shards are read one at a time
                 current, shard = k, int(order[k])
                 elements, within = self.read(shard), self._within(shard)
             offset = int(p % self.total - starts[k])

@@ -1,4 +1,4 @@
-"""Every place the template reaches into a private Lightning or torch API, in one module.
+"""Every place the template reaches into a private Lightning, torch or Hydra API, in one module.
 
 Each override says in one line what it buys. `USED` names every private attribute relied on
 here or elsewhere in the template; tests/test_private_api.py checks that each one still exists
@@ -31,6 +31,20 @@ USED = (
         "LocalElasticAgent._monitor_workers",
     ),
     ("torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier_timeout"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._store"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._worker_group"),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler._state_holder",
+    ),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState.participants"),
+    (
+        "hydra._internal.config_loader_impl",
+        "ConfigLoaderImpl._parse_overrides_and_create_caching_repo",
+    ),
 )
 
 
@@ -108,3 +122,84 @@ def signals_once(mp_api: Any, state: dict[str, Any]) -> None:
         raise_signal(signum, frame)
 
     mp_api._terminate_process_handler = handler
+
+
+def exit_barrier_on_live_peers(agent_cls: Any, poll_s: float = 0.5) -> None:
+    """torchrun's agent waits at the end for every agent of its group (up to
+    `exit_barrier_timeout`, 300 s): the one hosting the rendezvous store must not take it away
+    from the others while they still use it. An agent that died never arrives; wait only for
+    those whose rendezvous heartbeats still come (the rendezvous drops a node silent for
+    keep_alive_interval x keep_alive_max_attempt)."""
+
+    def _exit_barrier(self: Any) -> None:
+        import time
+
+        store, group = self._store, self._worker_group
+        key = f"project.exit_barrier.{group.group_world_size}"
+        deadline = time.monotonic() + self._exit_barrier_timeout
+        try:
+            arrived = store.add(key, 1)
+            while arrived < min(group.group_world_size, _live_agents(group.spec.rdzv_handler)):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(poll_s)
+                arrived = store.add(key, 0)
+        except Exception:  # the store's host has gone: nobody is left to wait for
+            return
+
+    agent_cls._exit_barrier = _exit_barrier
+
+
+def _live_agents(rdzv_handler: Any) -> int:
+    """The agents in this rendezvous round whose heartbeats are current (a c10d rendezvous
+    drops the others when it syncs; a static one has no heartbeats: all of them)."""
+    holder = getattr(rdzv_handler, "_state_holder", None)
+    if holder is None:
+        return 1 << 30
+    rdzv_handler.num_nodes_waiting()  # syncs the state (under the handler's own lock)
+    return len(holder.state.participants)
+
+
+def one_repository_help() -> bool:
+    """Hydra's `--help` and `--hydra-help` list every config group with its options through a
+    fresh config repository per group and kind (about 120, each a deep copy of the repository
+    and Hydra's whole ConfigStore): more than half a second. List them all from one repository
+    instead: the same calls on the same kind of repository, so the same page. False (and
+    Hydra's own slow listing) when this Hydra lacks what the override needs."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra.core.object_type import ObjectType
+
+    original = getattr(Hydra, "format_config_groups", None)
+    make_repo = "_parse_overrides_and_create_caching_repo"
+    if original is None or not hasattr(ConfigLoaderImpl, make_repo):
+        return False
+    if getattr(original, "one_repository", False):  # already installed
+        return True
+
+    def format_config_groups(self: Any, *args: Any, **kwargs: Any) -> str:
+        loader = self.config_loader
+        # What loader.get_group_options(group) builds per call (no primary config, no overrides).
+        _, repo = loader._parse_overrides_and_create_caching_repo(None, [])
+
+        def options(group_name: str, results_filter: Any = ObjectType.CONFIG) -> list[str]:
+            return repo.get_group_options(group_name, results_filter)
+
+        loader.get_group_options = options  # shadows the method for this listing only
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del loader.get_group_options
+
+    format_config_groups.one_repository = True  # type: ignore[attr-defined]
+    Hydra.format_config_groups = format_config_groups
+    return True
+
+
+def set_collective_timeout(timeout: Any) -> None:
+    """The default process group's timeout (a timedelta) for the collectives issued from now
+    on: torch has no public call for it after init_process_group (project.engine.launch.ddp
+    switches between a long and a short one)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout)

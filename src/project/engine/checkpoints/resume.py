@@ -113,6 +113,7 @@ class Resume:
     path: Path | None = None
     finished: bool = False  # auto-resume found a run that finished training
     metrics: dict[str, float] = field(default_factory=dict)  # its final fit metrics
+    data_position: dict[str, Any] | None = None  # where its epoch stood (engine.data.elastic)
 
 
 def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
@@ -138,4 +139,4 @@ def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
     check_resumable(path, ckpt, cfg, explicit=bool(explicit))
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
-    return Resume(path, finished, state.get("metrics") or {})
+    return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"))

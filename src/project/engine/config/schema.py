@@ -97,6 +97,7 @@ class RunSchema:
     test_ckpt: Literal["best", "last", "current"] | None = None
     ckpt_path: str | None = None
     auto_resume: bool | None = None
+    keep_global_batch: bool | None = None
     optimized_metric: str | None = None
     optimized_mode: Literal["min", "max"] | None = None
     step_stats: bool | None = None

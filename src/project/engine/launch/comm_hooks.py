@@ -16,11 +16,14 @@ checkpoint, one file per rank beside the last checkpoint (project.engine.checkpo
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from project.engine.errors import UserError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("fp16", "bf16", "powersgd")
 POWERSGD_KEYS = (
@@ -283,7 +286,10 @@ def load_state(
 ) -> None:
     """On resume from the checkpoint `last` of `step`: this rank's hook state, or one line
     saying why it cannot be restored (training on without it would silently diverge). Not
-    `required` (an explicit ckpt_path, e.g. of a run without PowerSGD): start it afresh."""
+    `required` (an explicit ckpt_path, e.g. of a run without PowerSGD): start it afresh.
+    Written by another number of processes (an elastic restart with fewer or more nodes):
+    start afresh with one warning, on every rank alike, since error feedback is per rank and
+    cannot be redistributed."""
     if hook is None or not hook.stateful:
         return
     import torch
@@ -293,17 +299,23 @@ def load_state(
     path = state_file(last, step, rank)
     if not path.is_file() and not required:
         return
+    # A rank the saving run did not have reads rank 0's file for its world size.
+    found = path if path.is_file() else state_file(last, step, 0)
+    saved = torch.load(found, map_location=device, weights_only=True) if found.is_file() else {}
+    saved_world = saved.pop("world_size", None)
+    if saved_world is not None and saved_world != world:
+        if rank == 0:
+            log.warning(
+                f"PowerSGD state of step {step} was written by {saved_world} processes, this run "
+                f"has {world}: PowerSGD starts afresh (its per-rank error feedback cannot be "
+                "redistributed)"
+            )
+        return
     if not path.is_file():
         raise UserError(
             f"{path.name} is missing beside {last.name}: the PowerSGD state of rank {rank} at "
-            f"step {step} cannot be restored (another world size, or files moved); start a new "
-            f"run from the weights: ckpt_path={last} with another RUN_ID"
-        )
-    saved = torch.load(path, map_location=device, weights_only=True)
-    if saved.pop("world_size") != world:
-        raise UserError(
-            f"{last} was trained with PowerSGD on another number of processes: its per-rank "
-            f"state cannot be restored on {world}; resume with the same world size"
+            f"step {step} cannot be restored (files moved or deleted); start a new run from "
+            f"the weights: ckpt_path={last} with another RUN_ID"
         )
     hook.load_state_dict(saved)
 

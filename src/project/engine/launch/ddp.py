@@ -8,7 +8,8 @@
 - `check_options` refuses, at start-up, DDP options that cannot work on this hardware or
   together with the trainer options (before any process group is made).
 - `errors_reported` turns "another rank is gone" and "these parameters got no gradient" into
-  one line each.
+  one line each; `CollectiveTimeout` makes a peer that stopped responding inside the training
+  steps end the job in `strategy.step_timeout_s`, not `strategy.timeout`.
 
 Entry points import this after Hydra has composed the config. Lightning is imported only
 where a Lightning object is needed: the raw trainer uses this module without it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import datetime
 import importlib.metadata
 import inspect
 import logging
@@ -37,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from project.engine.errors import UserError
 from project.engine.launch.env import Launcher, detect_launcher
 from project.engine.launch.exits import EXIT_FAILED, fail
+from project.engine.private_api import set_collective_timeout
 
 log = logging.getLogger("project.engine.launch.ddp")
 
@@ -116,7 +119,8 @@ def _ddp_option_names() -> set[str]:
     names = _ddp_strategy_arguments() | set(
         inspect.signature(DistributedDataParallel.__init__).parameters
     )
-    names |= {"comm_hook"}  # the template's own (project.engine.lightning.strategy, raw trainer)
+    # the template's own (project.engine.lightning.strategy, raw trainer)
+    names |= {"comm_hook", "step_timeout_s"}
     return names - {"self", "kwargs", "module", "process_group", "device_ids", "output_device"}
 
 
@@ -162,6 +166,15 @@ def check_options(
         raise UserError(
             "strategy.process_group_backend=nccl needs CUDA GPUs and a torch build with NCCL: "
             "use gloo on CPU (or leave it null to pick automatically)"
+        )
+    hook = (strategy_cfg.get("comm_hook") or {}).get("kind")
+    if hook == "powersgd" and gpu and str(trainer_cfg.get("precision")) in ("16-mixed", "16"):
+        # GradScaler scales the gradients before the all-reduce: one overflow step puts inf
+        # into PowerSGD's error feedback and warm-start factors, which then stay NaN.
+        raise UserError(
+            "strategy=ddp_powersgd with trainer.precision=16-mixed on CUDA: one overflowing "
+            "step would leave NaN in PowerSGD's error feedback for good: use "
+            "trainer.precision=bf16-mixed (no loss scaling)"
         )
     accumulate = int(trainer_cfg.get("accumulate_grad_batches") or 1)
     if strategy_cfg.get("static_graph") and accumulate > 1 and world_size > 1:
@@ -232,3 +245,42 @@ def errors_reported() -> Iterator[None]:
             "output for the cause",
             code=EXIT_FAILED,
         )
+
+
+class CollectiveTimeout:
+    """Two collective timeouts, for both trainers.
+
+    Until this attempt's first optimizer step has ended, a collective may wait
+    `strategy.timeout` (600 s: process-group set-up, first-time compilation, workers starting);
+    inside the training steps after it, `strategy.step_timeout_s` (120 s), so a peer gone
+    without closing its connections (a power loss, a cut cable, a wedged GPU, a deadlock) ends
+    the job in two minutes instead of ten. A dead process is noticed at once either way (gloo
+    and NCCL see its connections close). The timeout is per rank and the waiting rank's
+    counts, so the short one starts only at the second window after anything that can keep one
+    rank long (the attempt's start, an epoch start with its workers, validation, a checkpoint
+    save): by then every rank has passed a collective since. The trainers call `in_steps` at
+    every accumulation window start and `outside_steps` before anything else.
+    """
+
+    def __init__(
+        self, step_s: float | None, long: datetime.timedelta | None, world_size: int
+    ) -> None:
+        on = bool(step_s) and world_size > 1
+        self.step = datetime.timedelta(seconds=step_s) if on and step_s else None
+        self.long = long or datetime.timedelta(seconds=600)
+        self.windows = 0  # window starts since the last long phase
+        self.short = False  # the step timeout is in force
+
+    def in_steps(self) -> None:
+        """At an accumulation window start."""
+        self.windows += 1
+        if self.step is not None and self.windows >= 2 and not self.short:
+            set_collective_timeout(self.step)
+            self.short = True
+
+    def outside_steps(self) -> None:
+        """Before validation, a checkpoint save, the end of an epoch or of training."""
+        self.windows = 0
+        if self.short:
+            set_collective_timeout(self.long)
+            self.short = False

@@ -15,13 +15,17 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from project.engine.checkpoints.resume import training_identity
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
 from project.engine.launch import ddp
 from project.engine.launch.exits import Preempted
-from project.engine.lightning.callbacks import FaultInjection, FaultTolerance, StepStatsCallback
+from project.engine.lightning.callbacks import (
+    DataPosition,
+    FaultInjection,
+    FaultTolerance,
+    StepStatsCallback,
+)
 from project.engine.private_api import kill_launched_ranks
 from project.engine.run.console import quiet_lightning
 from project.engine.run.skeleton import Run
@@ -42,7 +46,8 @@ def strategy(run: Run) -> Any:
 
 def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
     """The `callbacks` group, fitted to the run: what the trainer flags switch off is left out,
-    fault tolerance knows what this run trains, the optional recorders are added."""
+    fault tolerance knows what this run trains, the data position is always recorded, the
+    optional recorders are added."""
     cfg, found = run.cfg, instantiate_all(run.cfg.get("callbacks"))
     left_out = []
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
@@ -55,7 +60,8 @@ def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
     fault_tolerance = next((c for c in found if isinstance(c, FaultTolerance)), None)
     check_one_last_checkpoint(found, fault_tolerance)
     if fault_tolerance is not None:
-        fault_tolerance.identity = training_identity(to_plain(cfg))
+        fault_tolerance.identity = run.identity
+    found.append(DataPosition(cfg, run.command))
     if cfg.get("step_stats"):
         found.append(StepStatsCallback(str(run.output_dir)))
     if (cfg.get("fault_injection") or {}).get("at_step") is not None:

@@ -1,6 +1,6 @@
 """The template's own Lightning extensions (the rest come from Lightning, see configs/callbacks):
-fault tolerance (last.ckpt, coordinated stop, exact resume), atomic checkpoint writes,
-per-step statistics and fault injection."""
+the data position (always on), fault tolerance (last.ckpt, coordinated stop, exact resume),
+atomic checkpoint writes, per-step statistics and fault injection."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.checkpoints import LAST_CKPT
 from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
+from project.engine.data import elastic, sharding
 from project.engine.launch import comm_hooks, faults
+from project.engine.launch.ddp import CollectiveTimeout
 from project.engine.launch.signals import StopSignal
-from project.engine.lightning.datamodule import fit_epoch
+from project.engine.lightning.datamodule import batches_done, fit_epoch
 from project.engine.private_api import skip_sigterm_broadcast
-from project.engine.shared import sharding
 from project.engine.shared.step_stats import StepStats
 
 log = logging.getLogger("project.engine.lightning.callbacks")
@@ -40,8 +41,8 @@ class FaultTolerance(pl.Callback):
       resumes exactly), and the last one when training ends, marked finished. Lightning's
       ModelCheckpoint(save_last=True) is not used for this: it refreshes last.ckpt only
       when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
-    - Exact resume: the RNG states travel in the checkpoint; the train loader skips the
-      batches a mid-epoch checkpoint had done (lightning.datamodule.start_where_fit_resumes).
+    - Exact resume: the RNG states travel in the checkpoint; the train loader starts where
+      a mid-epoch checkpoint's epoch stood (DataPosition, on any world size).
     """
 
     def __init__(self, dirpath: str, filename: str = LAST_CKPT, **cadences: Any) -> None:
@@ -53,6 +54,7 @@ class FaultTolerance(pl.Callback):
         self.finished = False
         self.metrics: dict[str, float] = {}
         self._rng_to_restore: dict[str, Any] | None = None
+        self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
 
     # --- state in the checkpoint ---
     def state_dict(self) -> dict[str, Any]:
@@ -65,6 +67,9 @@ class FaultTolerance(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         checkpoint["project"] = project_state(self.identity, self.finished, self.metrics)
+        # Every save (this callback's, ModelCheckpoint's every_n_train_steps): the other ranks
+        # wait while rank 0 writes.
+        self.timeouts.outside_steps()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._rng_to_restore is not None:  # resuming: continue the interrupted RNG streams
@@ -73,6 +78,9 @@ class FaultTolerance(pl.Callback):
             resumed, device = Path(trainer.ckpt_path), trainer.strategy.root_device
             step, hook = trainer.global_step, comm_hook(trainer)  # PowerSGD's per-rank state
             comm_hooks.load_state(hook, resumed, step, device, required=resumed == self.path)
+        strategy = trainer.strategy  # the template's DDPStrategy, or one process ("auto")
+        step_s, long = getattr(strategy, "step_timeout_s", None), getattr(strategy, "timeout", None)
+        self.timeouts = CollectiveTimeout(step_s, long, trainer.world_size)
         # Lightning registered its signal handlers just before this hook; ours replace them
         # and Lightning's teardown restores the original ones afterwards.
         self.stop.install()
@@ -80,16 +88,12 @@ class FaultTolerance(pl.Callback):
         if not skip_sigterm_broadcast(trainer):  # the check below does its job every few steps
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning sets the epoch on samplers, not on an iterable dataset (a ShardedStream):
-        # this runs before each later epoch's iterator is made (the first: datamodule.py).
-        sharding.set_epoch(trainer.train_dataloader, fit_epoch(trainer))
-
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             return  # inside an accumulation window: partial gradients are not checkpointed
+        self.timeouts.in_steps()
         stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
         epoch_end = batch_idx == 0 and trainer.global_step != self.stop.saved_step
         if save or stop or epoch_end:
@@ -101,6 +105,7 @@ class FaultTolerance(pl.Callback):
         """Write last.ckpt (every rank calls this; rank 0 writes, atomically)."""
         if trainer.fast_dev_run:
             return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
+        self.timeouts.outside_steps()  # the others wait while rank 0 writes
         began = time.monotonic()
         comm_hooks.save_state(comm_hook(trainer), self.path, trainer.global_step)  # every rank
         trainer.save_checkpoint(self.path, weights_only=False)  # full state: a resume point
@@ -108,14 +113,45 @@ class FaultTolerance(pl.Callback):
         self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
         log.info(f"Saved {self.path} at step {trainer.global_step}")
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.timeouts.outside_steps()  # and ModelCheckpoint's saves after it
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.timeouts.outside_steps()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stop.restore()
+        self.timeouts.outside_steps()
         self.finished = True
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         self.save(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.stop.restore()
+
+
+class DataPosition(pl.Callback):
+    """Owns where the train loaders' epoch stands, whatever the callbacks config (train.py
+    always adds it): every checkpoint records it (project.engine.data.elastic), a resume
+    starts there on any world size (datamodule.start_where_fit_resumes), and every epoch
+    reaches the loaders' orders. Lightning sets the epoch on samplers only, not on an
+    iterable dataset (a ShardedStream), nor the workers' seeds."""
+
+    def __init__(self, cfg: Any, command: dict[str, Any]) -> None:
+        self.cfg, self.command = cfg, command  # command: the batch keys as given
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before each later epoch's iterator is made (the first: datamodule.py).
+        sharding.set_epoch(trainer.train_dataloader, fit_epoch(trainer))
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        done = batches_done(trainer.fit_loop.epoch_loop.batch_progress)
+        checkpoint[elastic.KEY] = elastic.record(
+            trainer.train_dataloader, fit_epoch(trainer), done, trainer.world_size,
+            trainer.accumulate_grad_batches, self.cfg, self.command,
+        )  # fmt: skip
 
 
 def comm_hook(trainer: pl.Trainer) -> comm_hooks.CommHook | None:

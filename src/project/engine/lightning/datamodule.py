@@ -3,7 +3,7 @@ datamodule gets, the template's or a user's own.
 
 `prepare_data` runs `source.prepare()` in one process per node; `setup` builds the split
 datasets on every rank. The loaders are plain `DataLoader(dataset, shuffle=...)`: sharding
-and the resumable order come from `shard_datamodule` (project.engine.shared.sharding), the same
+and the resumable order come from `shard_datamodule` (project.engine.data.sharding), the same
 code the raw trainer runs.
 """
 
@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 
 from project.data.source import SPLITS
 from project.engine.config.compose import to_plain
-from project.engine.shared import sharding
-from project.engine.shared.loaders import build_source, plain_loader
+from project.engine.data import elastic, sharding
+from project.engine.data.loaders import build_source, plain_loader
 
 log = logging.getLogger("project.engine.lightning.datamodule")
 
@@ -76,8 +76,14 @@ class DataModule(pl.LightningDataModule):
         return self._loader("test")
 
 
-def shard_datamodule(datamodule: pl.LightningDataModule, seed: int) -> None:
-    """Make every loader `datamodule` returns sharded over the trainer's ranks (in place).
+def shard_datamodule(
+    datamodule: pl.LightningDataModule,
+    seed: int,
+    position: elastic.Position | None = None,
+    keep_global_batch: bool = True,
+) -> None:
+    """Make every loader `datamodule` returns sharded over the trainer's ranks (in place), the
+    train loaders started where a resumed run's `position` says its epoch stood.
 
     Wraps the `*_dataloader` methods it defines; the rank and world size are read from the
     trainer when Lightning asks for the loaders.
@@ -93,10 +99,21 @@ def shard_datamodule(datamodule: pl.LightningDataModule, seed: int) -> None:
             world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
             loaders = sharding.shard_loaders(original(), stage, world, rank, seed)
             if stage == "train" and trainer is not None:
-                start_where_fit_resumes(loaders, trainer)
+                trainer.accumulate_grad_batches = elastic.fit_accumulation(
+                    loaders, position, world, trainer.accumulate_grad_batches, keep_global_batch
+                )  # a datamodule of its own keeps its batch size: only this can change
+                start_where_fit_resumes(loaders, trainer, position)
             return loaders
 
         setattr(datamodule, name, sharded)
+
+
+def batches_done(progress: Any) -> int:
+    """The batches of the epoch trained, from Lightning's batch progress: a checkpoint written
+    in on_train_batch_end (ModelCheckpoint's every_n_train_steps) has not counted the batch
+    just trained as completed yet (Lightning adds it when it restarts from there)."""
+    current = progress.current
+    return current.processed if current.completed == current.processed - 1 else current.completed
 
 
 def fit_epoch(trainer: pl.Trainer) -> int:
@@ -104,15 +121,24 @@ def fit_epoch(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_progress.current.processed
 
 
-def start_where_fit_resumes(loader: Any, trainer: pl.Trainer) -> None:
-    """Give the train loader the epoch, and after a mid-epoch checkpoint the batches already
-    done, before Lightning makes its first iterator (its fit loop does that before any hook
-    runs, and DataLoader workers copy the order then). Lightning itself sets the epoch later,
-    on samplers only, and continues a resumed epoch without skipping anything."""
+def start_where_fit_resumes(
+    loaders: Any, trainer: pl.Trainer, position: elastic.Position | None
+) -> None:
+    """Give the train loaders the epoch, and after a mid-epoch checkpoint the place where the
+    epoch stood, before Lightning makes its first iterator (its fit loop does that before any
+    hook runs, and DataLoader workers copy the order then). Lightning itself sets the epoch
+    later, on samplers only, and would continue a resumed epoch at the batch count it saved,
+    which on another world size is another place: its count is set to this world's."""
     fit = trainer.fit_loop
     epoch = fit_epoch(trainer)
-    sharding.set_epoch(loader, epoch)
-    started_not_done = fit.restarting and fit.epoch_progress.current.started > epoch
-    done = fit.epoch_loop.batch_progress.current.completed if started_not_done else 0
-    if done and sharding.resume_at(loader, epoch, done):
-        log.info(f"Resuming mid-epoch: skipping the {done} batches already trained on")
+    sharding.set_epoch(loaders, epoch)
+    if not (fit.restarting and fit.epoch_progress.current.started > epoch):
+        return  # not in the middle of an epoch
+    done = elastic.resume(loaders, position, epoch, trainer.world_size)
+    progress = fit.epoch_loop.batch_progress
+    shift = done - batches_done(progress)  # Lightning's own restart logic then makes it `done`
+    for counts in (progress.current, progress.total):
+        counts.ready += shift
+        counts.started += shift
+        counts.processed += shift
+        counts.completed += shift

@@ -2,6 +2,9 @@
 
 - `comm_hook`: a gradient-communication hook (project.engine.launch.comm_hooks) registered on
   every device; Lightning's own `ddp_comm_hook` is registered on CUDA only.
+- `step_timeout_s`: the collective timeout inside training steps after the first one
+  (project.engine.launch.ddp.CollectiveTimeout; `timeout` stays the one before and outside
+  them).
 - DDP errors about parameters that got no gradient keep torch's parameter indices (Lightning
   replaces the whole message), so the run skeleton can name the parameters
   (project.engine.launch.ddp.unused_parameters_reported).
@@ -18,9 +21,13 @@ from project.engine.launch.comm_hooks import CommHook
 
 
 class DDPStrategy(LightningDDPStrategy):
-    def __init__(self, comm_hook: CommHook | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, comm_hook: CommHook | None = None, step_timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
-        self.comm_hook = comm_hook
+        self.comm_hook, self.step_timeout_s = comm_hook, step_timeout_s
+        self.timeout = kwargs.get("timeout")
 
     def configure_ddp(self) -> None:
         super().configure_ddp()  # wraps the module in DistributedDataParallel

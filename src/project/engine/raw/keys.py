@@ -21,7 +21,7 @@ from project.engine.errors import UserError
 
 CONSUMED = {
     "seed", "train", "test", "test_ckpt", "ckpt_path", "optimized_metric", "optimized_mode",
-    "step_stats", "auto_resume", "worker_start_method",
+    "step_stats", "auto_resume", "worker_start_method", "keep_global_batch",
     # model: the Lightning adapter's arguments, each handed to the shared builders
     "model._target_", "model._recursive_", "model.compile",
     "model.task.*", "model.net.*", "model.optimizer.*", "model.scheduler.*",

@@ -1,7 +1,7 @@
 """The raw PyTorch DDP trainer: what Lightning does for this template, written out.
 
 It runs the same task (project.tasks: network, loss, metrics), the same data source and loaders
-(project.data, project.engine.shared.sharding), the same optimizer and scheduler builders
+(project.data, project.engine.data.sharding), the same optimizer and scheduler builders
 (project.engine.shared.optim) from the same config, so its per-step losses are bitwise equal to
 Lightning's. What had to match for that is marked "parity:".
 
@@ -45,16 +45,17 @@ from torch.utils.tensorboard import SummaryWriter
 
 from project.data.source import SPLITS
 from project.engine.checkpoints import LAST_PT
-from project.engine.checkpoints.resume import checkpoint_dir, last_checkpoint, training_identity
+from project.engine.checkpoints.resume import checkpoint_dir, last_checkpoint
 from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
 from project.engine.config.compose import to_plain
+from project.engine.data import elastic, sharding
+from project.engine.data.loaders import build_source, plain_loader
 from project.engine.errors import UserError
 from project.engine.launch import comm_hooks, ddp, env, faults
+from project.engine.launch.ddp import CollectiveTimeout
 from project.engine.launch.exits import Preempted, close_process_group
 from project.engine.launch.signals import StopSignal
 from project.engine.raw.keys import check_config
-from project.engine.shared import sharding
-from project.engine.shared.loaders import build_source, plain_loader
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.engine.shared.step_stats import StepStats
@@ -84,8 +85,13 @@ class RawTrainer:
     project.raw_train runs it inside the run skeleton both trainers share
     (project.engine.run.skeleton: checks, resume, the stop, metrics.json)."""
 
-    def __init__(self, cfg: DictConfig, output_dir: Path) -> None:
+    def __init__(
+        self, cfg: DictConfig, output_dir: Path, identity: dict[str, Any],
+        command: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.output_dir, t = cfg, output_dir, cfg.trainer
+        self.identity = identity  # what this run trains (its checkpoints say so)
+        self.command = command or {}  # the batch keys as given (engine.data.elastic)
         check_config(cfg)
         self.setup_distributed()
         self.setup_data()
@@ -126,6 +132,7 @@ class RawTrainer:
         self.global_step = 0  # optimizer steps, like Lightning's trainer.global_step
         self.epoch = 0
         self.batch_in_epoch = 0
+        self.position: elastic.Position | None = None  # where a resumed epoch stood
         self.best: float | None = None
         self.early = EarlyStopping(cfg.callbacks.get("early_stopping"))
         self.resumed = False
@@ -155,11 +162,16 @@ class RawTrainer:
             backend = s.get("process_group_backend") or ("nccl" if self.on_gpu else "gloo")
             device_id = self.device if self.on_gpu else None
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        self.timeouts = CollectiveTimeout(
+            self.strategy.get("step_timeout_s"),
+            instantiate(self.strategy["timeout"]) if self.strategy.get("timeout") else None,
+            self.world,
+        )
         self.is_zero = self.rank == 0
 
     def setup_data(self) -> None:
         """The data source prepared once per node (local rank 0), then every rank's loaders:
-        plain loaders sharded by the same code as Lightning's (project.engine.shared.sharding)."""
+        plain loaders sharded by the same code as Lightning's (project.engine.data.sharding)."""
         d = self.cfg.data
         source = build_source(d.dataset)
         if self.local_rank == 0:
@@ -183,7 +195,8 @@ class RawTrainer:
         step = Step(self.task)
         if self.world == 1:
             return step
-        not_ddp = ("_target_", "process_group_backend", "timeout", "start_method", "comm_hook")
+        not_ddp = ("_target_", "process_group_backend", "timeout", "start_method", "comm_hook",
+                   "step_timeout_s")  # fmt: skip
         kwargs = {k: v for k, v in self.strategy.items() if k not in not_ddp}
         device_ids = [self.local_rank] if self.on_gpu else None
         model = DistributedDataParallel(step, device_ids=device_ids, **kwargs)
@@ -195,7 +208,6 @@ class RawTrainer:
     def setup_fault_tolerance(self) -> None:
         ft = self.fault_tolerance = to_plain(self.cfg.callbacks.get("fault_tolerance")) or {}
         self.stop = StopSignal.from_config(ft)  # the YAML's cadences (its defaults when off)
-        self.identity = training_identity(to_plain(self.cfg))
         self.finished = False  # set when fit ends normally: last.pt then says so
         self.final_metrics: dict[str, float] = {}
 
@@ -303,6 +315,7 @@ class RawTrainer:
     def check_stop(self) -> None:
         """At an accumulation window start (no partial gradients to lose): every few windows
         the ranks agree whether to save last.pt and whether to stop (launch/signals.py)."""
+        self.timeouts.in_steps()
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
             self.save_last()
@@ -315,9 +328,16 @@ class RawTrainer:
         accumulate = int(t.get("accumulate_grad_batches") or 1)
         n_train = self.n_batches("train")
         sharding.set_epoch(loader, epoch)  # parity: a new shuffle each epoch, as Lightning
-        first = self.batch_in_epoch
-        if first and sharding.resume_at(loader, epoch, first):  # skip what was trained on
-            log.info(f"Resuming mid-epoch: skipping {first} batches")
+        # A resumed epoch starts where the checkpoint's stood, on any world size; with another
+        # global batch (keep_global_batch=false) that need not be a whole number of batches.
+        keep = self.cfg.get("keep_global_batch", True)
+        if accumulate != elastic.fit_accumulation(loader, self.position, self.world, accumulate,
+                                                  keep):  # fmt: skip
+            raise RuntimeError("the raw trainer's loader follows data.batch_size: fit_world")
+        first = elastic.resume(loader, self.position, epoch, self.world)
+        self.position = None
+        if (left := sharding.batches_left(loader)) is not None:
+            n_train = min(n_train, first + left)
         lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
         self.log_scalar(lr_name, self.optimizer.param_groups[0]["lr"], self.global_step)
         for i, batch in self.batches("train", n_train, first):
@@ -345,6 +365,7 @@ class RawTrainer:
     def end_epoch(self, epoch: int) -> tuple[dict[str, float], bool]:
         """Train metrics, epoch scheduler step, validation, logging, best checkpoint.
         Returns the epoch's metrics and whether validation ran."""
+        self.timeouts.outside_steps()
         t = self.cfg.trainer
         metrics = self.compute("train")
         epoch_due = (epoch + 1) % self.sched_every == 0
@@ -400,6 +421,7 @@ class RawTrainer:
 
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
+        self.timeouts.outside_steps()  # the others wait while rank 0 writes
         began, path = time.monotonic(), self.last_path()
         comm_hooks.save_state(self.comm_hook, path, self.global_step)  # every rank its own
         if self.is_zero:
@@ -431,6 +453,7 @@ class RawTrainer:
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,  # the epoch to run (or continue)
             "batch_in_epoch": self.batch_in_epoch,  # its batches already trained on
+            elastic.KEY: self.data_position(),
             "global_step": self.global_step,
             "best": self.best,
             "early_stopping": {"best": self.early.best, "wait": self.early.wait},
@@ -438,6 +461,12 @@ class RawTrainer:
             "config": to_plain(self.cfg),
             "project": project_state(self.identity, self.finished, self.final_metrics),
         }
+
+    def data_position(self) -> dict[str, Any]:
+        """Where the train loader's epoch stands, for any world size (engine.data.elastic)."""
+        accumulate = int(self.cfg.trainer.get("accumulate_grad_batches") or 1)
+        return elastic.record(self.loaders["train"], self.epoch, self.batch_in_epoch, self.world,
+                              accumulate, self.cfg, self.command)  # fmt: skip
 
     def load(self, path: str | Path, weights_only: bool = False) -> None:
         """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
@@ -451,15 +480,15 @@ class RawTrainer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.global_step = state["epoch"], state["global_step"]
-        self.best, self.batch_in_epoch = state["best"], state.get("batch_in_epoch", 0)
+        self.best = state["best"]
+        self.position = elastic.Position.of(state.get(elastic.KEY))
         self.early.best = state["early_stopping"]["best"]
         self.early.wait = state["early_stopping"]["wait"]
         set_rng_state(state["rng"])  # continue the interrupted random streams
         required = Path(path) == self.last_path()  # PowerSGD's per-rank state, if it has one
         comm_hooks.load_state(self.comm_hook, Path(path), self.global_step, self.device, required)
         self.resumed = True
-        log.info(f"Resumed from {path}: epoch {self.epoch}, batch {self.batch_in_epoch}, "
-                 f"step {self.global_step}")  # fmt: skip
+        log.info(f"Resumed from {path}: epoch {self.epoch}, step {self.global_step}")
 
     def close(self) -> None:
         if self.writer is not None:

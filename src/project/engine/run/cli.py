@@ -13,6 +13,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from project.engine import private_api
 from project.engine.config.compose import register_resolvers
 from project.engine.errors import UserError
 from project.engine.launch.exits import fail, report_exit
@@ -55,6 +56,7 @@ def run_cli(hydra_main: Callable[[], Any]) -> None:
     """
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     quiet_hydra()
+    private_api.one_repository_help()  # `--help` in well under a second
     try:
         report_user_errors(hydra_main)
     except OSError as err:

@@ -25,14 +25,15 @@ from omegaconf import DictConfig
 
 from project.engine.config.compose import check_targets, to_plain
 from project.engine.config.schema import check_schema
+from project.engine.data.worker_start import configure_worker_start
 from project.engine.errors import UserError
 from project.engine.launch.env import is_rank_zero
 from project.engine.launch.exits import EXIT_PREEMPTED, Preempted, close_process_group
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
-from project.engine.shared.worker_start import configure_worker_start
 
 if TYPE_CHECKING:
     from project.engine.checkpoints.resume import Resume
+    from project.engine.data.elastic import Position
     from project.engine.launch.ddp import Topology
 
 log = logging.getLogger("project.engine.run")
@@ -60,6 +61,9 @@ class Run:
     topology: Topology
     resume: Resume  # where training continues from (or the finished run it only tests)
     last: Path | None  # where this run keeps its last checkpoint (None: fault tolerance off)
+    identity: dict  # what this run trains, as composed (before fit_world changes the batch)
+    command: dict = field(default_factory=dict)  # the batch keys as given (engine.data.elastic)
+    position: Position | None = None  # where the resumed epoch stood (engine.data.elastic)
 
     @property
     def fits(self) -> bool:
@@ -98,6 +102,7 @@ def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[st
     if relaunched:
         relaunch(cfg, trainer, output_dir, topology, list(hydra_cfg.overrides.task))
         return read_metrics(output_dir)
+    fit_world(found)
     prepare(found, trainer)
     metrics = fit_and_test_then_stop(found, fit_and_test)
     if is_rank_zero():
@@ -110,14 +115,32 @@ def preflight(
 ) -> Run | dict[str, float]:
     """The run folder's last checkpoint and the targets, before anything is built: a bad
     checkpoint stops with one line, nothing written; a finished run returns its results."""
-    from project.engine.checkpoints.resume import find_resume, last_checkpoint
+    from project.engine.checkpoints.resume import find_resume, last_checkpoint, training_identity
+    from project.engine.data.elastic import asked
 
     last = last_checkpoint(cfg, output_dir, trainer.last_name)
-    resume = find_resume(to_plain(cfg), last, kind=trainer.checkpoint_key)
+    plain = to_plain(cfg)
+    resume = find_resume(plain, last, kind=trainer.checkpoint_key)
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg, skip=trainer.skip_targets)
-    return Run(cfg, output_dir, topology, resume, last)
+    return Run(cfg, output_dir, topology, resume, last, training_identity(plain), asked(plain))
+
+
+def fit_world(run: Run) -> None:
+    """A resumed run on another world size keeps its global batch and its place in the epoch
+    (project.engine.data.elastic): the batch keys are set here, before anything is built."""
+    from project.engine.data.elastic import Position, fit_global_batch
+
+    if run.resume.path is None or not run.fits:
+        return
+    run.position = Position.of(run.resume.data_position)
+    if run.position is None:
+        log.warning(
+            f"{run.resume.path} records no data position (written before positions were): "
+            "if it was saved in the middle of an epoch, that epoch restarts from its beginning"
+        )
+    fit_global_batch(run.cfg, run.position, run.topology.world_size, run.command)
 
 
 def prepare(run: Run, trainer: Trainer) -> None:

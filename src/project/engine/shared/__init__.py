@@ -1,4 +1,5 @@
-"""What both trainers build from: loaders and sharding, optimizer, metrics, step statistics.
+"""What both trainers build from besides the data (project.engine.data): optimizer, metrics,
+step statistics, throughput.
 
 No Lightning here: the raw trainer imports these modules.
 """

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-ENGINE = ("torch", "project.engine.shared.loaders")  # every worker of the template's loaders
+ENGINE = ("torch", "project.engine.data.loaders")  # every worker of the template's loaders
 
 
 def configure_worker_start(

@@ -1,0 +1,315 @@
+"""Every loader sharded across ranks, in a resumable order: both trainers, any user loader.
+
+Both trainers pass each DataLoader through `shard_loader` (the Lightning path wraps the
+datamodule's `*_dataloader` methods with `shard_datamodule`; Lightning's own sampler
+injection is off, `trainer.use_distributed_sampler: false`). By the loader's shape
+(samplers.py and project.data.stream say how each splits):
+
+- `DataLoader(dataset, batch_size, shuffle=...)` as Lightning's docs write it (also with an
+  explicit `BatchSampler`, or `batch_size=None` over a dataset of ready-made batches): rebuilt
+  with the same settings around a `ResumableSampler` (training) or an `EvalShardSampler`;
+- a custom sampler (WeightedRandomSampler, RandomSampler with replacement or num_samples, ...)
+  or batch sampler: each rank takes its share of its draws (`ShardedDraws`,
+  `ShardedBatches`), seeded from the run seed and the epoch;
+- a user's DistributedSampler: rebuilt as a `ResumableSampler` with its shuffle, seed and
+  drop_last (a subclass of it is kept, with one warning that a mid-epoch resume restarts
+  the epoch);
+- a `ShardedStream` (iterable data in shards): told its rank, world and batch size;
+- a loader that already has one of these: kept.
+
+Every one of these resumes exactly at a global position of the epoch (`resume_at`), on any
+world size (samplers.py: one layout for all). Anything else (an IterableDataset that does not
+shard itself) stops a multi-process run at start-up with one line; in a single process it is
+kept, with one warning that a mid-epoch resume restarts the epoch. All ranks must see data of
+the same length: a mismatch is one line on every rank. Lists and dicts of loaders (Lightning
+allows them) are sharded, given their epoch and resumed loader by loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from project.data.stream import ShardedStream, SkipInEpoch
+from project.engine.data.samplers import (
+    EvalShardSampler,
+    ResumableSampler,
+    ShardedBatches,
+    ShardedDraws,
+)
+from project.engine.errors import UserError
+
+log = logging.getLogger("project.engine.data.sharding")
+OURS = (ResumableSampler, EvalShardSampler, ShardedDraws)
+
+
+def _rebuild(loader: DataLoader, seed: int, **sampling: Any) -> DataLoader:
+    """`loader` with `sampling` (a sampler and its batch size, or a batch sampler) instead of
+    its own; every other setting kept.
+
+    A private generator seeds each new iterator's workers (else every iterator draws its base
+    seed from the global RNG, so dropout masks would depend on when iterators were made);
+    `set_epoch` reseeds it from (seed, epoch), so workers draw alike after a resume.
+    """
+    if "batch_sampler" not in sampling and "batch_size" not in sampling:
+        sampling.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    return DataLoader(
+        loader.dataset,
+        **sampling,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory and torch.cuda.is_available(),
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=torch.Generator().manual_seed(seed),
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers and loader.num_workers > 0,
+    )
+
+
+_warned: set[str] = set()
+
+
+def resumes_exactly() -> None:
+    """The train loader's order resumes mid-epoch (`resume_at`, before the first iterator), which
+    Lightning cannot see: its "dataloader is not resumable" warning would mislead, and so would
+    its warning that an IterableDataset's length may be wrong with workers (a ShardedStream
+    splits by worker itself)."""
+    warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
+    warnings.filterwarnings("ignore", message=r".*`IterableDataset` has `__len__` defined")
+
+
+def same_length_on_all_ranks(length: int, stage: str) -> None:
+    """Fail on every rank at once (one line, no hang) when the ranks' data differ in length:
+    their step counts would differ and the longer ranks would wait forever in a collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    both = torch.tensor([length, -length], device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    longest, shortest = int(both[0]), -int(both[1])
+    if longest != shortest:
+        raise UserError(
+            f"the {stage} data has {length} elements on rank {dist.get_rank()} but between "
+            f"{shortest} and {longest} across the ranks: every rank must read the same data "
+            "(one shared folder, or the same prepared copy on every node)"
+        )
+
+
+def _stream(loader: DataLoader, stage: str, world: int, rank: int, seed: int) -> DataLoader:
+    stream = loader.dataset
+    if loader.persistent_workers and loader.num_workers > 0:
+        raise UserError(
+            f"the {stage} DataLoader keeps its workers (persistent_workers) but its "
+            f"{type(stream).__name__} learns each epoch's order when the workers start: set "
+            "data.persistent_workers=false"
+        )
+    stream.shard(world, rank, loader.batch_size or 1, seed, pad=stage == "train")
+    same_length_on_all_ranks(stream.total, stage)
+    resumes_exactly()
+    return _rebuild(loader, seed)  # for its private generator
+
+
+def _sampler_and_batch(loader: DataLoader) -> tuple[Any, dict[str, Any]]:
+    """The loader's sampler and how it batches it. An explicit `BatchSampler(sampler, n,
+    drop_last)` is the same as `sampler=sampler, batch_size=n`: its inner sampler is the one
+    to shard (the loader's own `sampler` is then a SequentialSampler it never reads)."""
+    batches = loader.batch_sampler
+    if type(batches) is BatchSampler:
+        return batches.sampler, {"batch_size": batches.batch_size, "drop_last": batches.drop_last}
+    return loader.sampler, {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
+
+
+def _plain_random(sampler: Any, dataset: Any) -> bool:
+    """A RandomSampler that is a permutation of the dataset (`shuffle=True`): not one drawing
+    with replacement or another number of samples (an epoch defined by a number of draws)."""
+    return (type(sampler) is RandomSampler and not sampler.replacement
+            and sampler.num_samples == len(dataset))  # fmt: skip
+
+
+def _training_sampler(sampler: Any, loader: DataLoader, world: int, rank: int, seed: int,
+                      stage: str) -> Sampler | None:  # fmt: skip
+    """Our training sampler in place of `sampler` (None: keep the loader as it is)."""
+    if isinstance(sampler, OURS):
+        return None
+    if type(sampler) is SequentialSampler or _plain_random(sampler, loader.dataset):
+        shuffle = type(sampler) is RandomSampler
+        return ResumableSampler(loader.dataset, world, rank, shuffle, seed)
+    if type(sampler) is DistributedSampler:  # the user's: its settings, our resumable order
+        _check_replicas(sampler, world, stage)
+        return ResumableSampler(loader.dataset, world, rank, sampler.shuffle, sampler.seed,
+                                sampler.drop_last)  # fmt: skip
+    if isinstance(sampler, DistributedSampler):  # a subclass: its own order, kept
+        _check_replicas(sampler, world, stage)
+        return None
+    return ShardedDraws(sampler, world, rank, seed, pad=True)
+
+
+def _check_replicas(sampler: DistributedSampler, world: int, stage: str) -> None:
+    if sampler.num_replicas != world:
+        raise UserError(
+            f"the {stage} DataLoader's DistributedSampler has num_replicas="
+            f"{sampler.num_replicas} but the run has {world} processes: build it from "
+            "trainer.world_size / trainer.global_rank, or return a plain DataLoader"
+        )
+
+
+def _sampled(loader: DataLoader, stage: str, world: int, rank: int, seed: int) -> DataLoader:
+    """A map-style loader: our sampler around its own (or its batch sampler)."""
+    train, batches = stage == "train", loader.batch_sampler
+    if hasattr(loader.dataset, "__len__"):
+        same_length_on_all_ranks(len(loader.dataset), stage)  # type: ignore[arg-type]
+    if train:
+        resumes_exactly()
+    if batches is not None and type(batches) is not BatchSampler:
+        if isinstance(batches, ShardedBatches):
+            return loader
+        sharded = ShardedBatches(batches, world, rank, seed, pad=train)
+        return _rebuild(loader, seed, batch_sampler=sharded)
+    sampler, batching = _sampler_and_batch(loader)
+    new: Sampler | None
+    if train:
+        new = _training_sampler(sampler, loader, world, rank, seed, stage)
+    elif isinstance(sampler, EvalShardSampler):
+        new = None
+    elif type(sampler) in (RandomSampler, SequentialSampler) or isinstance(
+        sampler, DistributedSampler
+    ):
+        new = EvalShardSampler(loader.dataset, world, rank)
+    else:
+        new = ShardedDraws(sampler, world, rank, seed, pad=False)
+    return loader if new is None else _rebuild(loader, seed, sampler=new, **batching)
+
+
+def shard_loader(loader: Any, stage: str, world: int, rank: int, seed: int) -> Any:
+    """`loader` sharded over `world` ranks for `stage` ("train", "val", "test")."""
+    if not isinstance(loader, DataLoader):
+        return loader  # not a DataLoader (e.g. a list of batches): the user's own business
+    if isinstance(loader.dataset, ShardedStream):
+        return _stream(loader, stage, world, rank, seed)
+    if not isinstance(loader.dataset, IterableDataset):
+        return _sampled(loader, stage, world, rank, seed)
+    what = type(loader.dataset).__name__
+    if world > 1:
+        raise UserError(
+            f"the {stage} DataLoader cannot be sharded across the {world} processes: its "
+            f"dataset is an IterableDataset ({what}) that does not split itself. Subclass "
+            "project.data.stream.ShardedStream (docs/data.md), or return a map-style dataset"
+        )
+    if stage == "train" and stage not in _warned:
+        _warned.add(stage)
+        log.warning(
+            f"the train DataLoader is used as it is (an IterableDataset, {what}): a resume from "
+            "a mid-epoch checkpoint restarts that epoch's order, so it is not exact"
+        )
+    return loader
+
+
+def shard_loaders(loaders: Any, stage: str, world: int, rank: int, seed: int) -> Any:
+    """`shard_loader` over one loader or a list/tuple/dict of loaders (Lightning allows all)."""
+    if isinstance(loaders, Mapping):
+        return {k: shard_loader(v, stage, world, rank, seed) for k, v in loaders.items()}
+    if isinstance(loaders, (list, tuple)):
+        return type(loaders)(shard_loader(v, stage, world, rank, seed) for v in loaders)
+    return shard_loader(loaders, stage, world, rank, seed)
+
+
+def flat(loaders: Any) -> list[Any]:
+    """The loaders of one loader or a list/tuple/dict of them, in a fixed order."""
+    if isinstance(loaders, Mapping):
+        return [loader for key in sorted(loaders) for loader in flat(loaders[key])]
+    if isinstance(loaders, (list, tuple)):
+        return [loader for item in loaders for loader in flat(item)]
+    return [loaders]
+
+
+def _parts(loader: Any) -> list[Any]:
+    """What may hold a loader's order: its batch sampler, sampler and dataset."""
+    return [getattr(loader, name, None) for name in ("batch_sampler", "sampler", "dataset")]
+
+
+def _order(loader: Any) -> Any:
+    """What holds `loader`'s order: our sampler, batch sampler or stream (None: not ours)."""
+    ours = (*OURS, ShardedBatches, ShardedStream)
+    return next((part for part in _parts(loader) if isinstance(part, ours)), None)
+
+
+def units_per_batch(loader: Any) -> int:
+    """Positions of the epoch's order one batch of `loader` takes: its batch size, or 1 for a
+    batch sampler's batches and for a dataset of ready-made batches (batch_size=None)."""
+    if isinstance(_order(loader), ShardedBatches):
+        return 1
+    return getattr(loader, "batch_size", None) or 1
+
+
+def worker_seed(seed: int, epoch: int) -> int:
+    """The base of an epoch's DataLoader worker seeds: a function of (seed, epoch) only."""
+    high, low = np.random.SeedSequence([seed, epoch]).generate_state(2)
+    return int(high) << 31 ^ int(low)
+
+
+def set_epoch(loaders: Any, epoch: int) -> None:
+    """A new order for `epoch` (one loader, or a list/dict of them): `set_epoch` on each
+    loader's batch sampler, sampler and dataset, where they have it (Lightning sets it on
+    samplers only, not on an iterable dataset), and its workers' seeds from (seed, epoch)."""
+    for loader in flat(loaders):
+        for part in _parts(loader):
+            if callable(getattr(part, "set_epoch", None)):
+                part.set_epoch(epoch)
+        order, generator = _order(loader), getattr(loader, "generator", None)
+        if order is not None and isinstance(generator, torch.Generator):
+            generator.manual_seed(worker_seed(getattr(order, "seed", 0), epoch))
+
+
+def batches_left(loader: Any) -> int | None:
+    """The batches `loader` still yields in this epoch (None: not known, not ours). After a
+    resume on another world size with another global batch it can be fewer than its length
+    minus the batches done, which counts whole batches of this world."""
+    order, size = _order(loader), units_per_batch(loader)
+    if order is None or not hasattr(order, "left"):
+        return None
+    drop = getattr(loader, "drop_last", False)
+    return order.left() // size if drop else math.ceil(order.left() / size)
+
+
+def epoch_start(loader: Any, epoch: int) -> int:
+    """The global position where `loader`'s `epoch` started (0 unless it was resumed)."""
+    order = _order(loader)
+    return order.first() if isinstance(order, SkipInEpoch) and order.epoch == epoch else 0
+
+
+def resumable(loader: Any) -> bool:
+    """Whether `resume_at` can start `loader`'s epoch at a global position."""
+    order = _order(loader)
+    return order is not None and not isinstance(order, EvalShardSampler)
+
+
+def resume_at(loader: Any, epoch: int, position: int) -> bool:
+    """Make `loader`'s `epoch` start at global `position` of its order (the positions every
+    rank read together before a mid-epoch checkpoint: batches x units_per_batch x world of
+    the run that wrote it); other epochs are whole. False when its order is not ours.
+
+    With DataLoader workers, call it before the epoch's iterator is made: the workers take
+    their copy of the order then."""
+    if not resumable(loader):
+        return False
+    set_epoch(loader, epoch)
+    _order(loader).skip(position)
+    return True

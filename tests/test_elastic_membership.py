@@ -1,0 +1,181 @@
+"""Elastic membership under torchrun (NNODES=MIN:MAX, c10d): two "nodes" on localhost, one
+killed (its agent and its worker) or one joining late; the run goes on and finishes. Real
+processes, CPU, gloo, one process per node (docs/elastic.md)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import (
+    ROOT,
+    finish,
+    free_port,
+    process_tree,
+    recorded_data,
+    recorded_reads,
+    start,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+# Long enough epochs (600 rows in batches of 2: 150 optimizer steps of 4 rows) that a node
+# dies or joins in epoch 0, with a last.ckpt every 20 steps to resume from.
+ROWS = 600
+ELASTIC_ARGS = ["data.batch_size=2", "trainer.max_epochs=2", "test=false",
+                "callbacks.fault_tolerance.every_n_train_steps=20"]  # fmt: skip
+RESUMED = "Training, resuming from"
+# A node's death -> the survivor trains again: ~15 s here (torch's defaults: ~50 s).
+RECOVERY_S = 45
+
+
+class Node:
+    """One `launch/multinode.sh` (a torchrun agent and its worker): its output lines with
+    the time each arrived, and every process id its tree has had."""
+
+    def __init__(self, args: list[str], **env: str) -> None:
+        self.proc = start([str(ROOT / "launch" / "multinode.sh"), *args], **env)
+        self.lines: list[tuple[float, str]] = []
+        self.pids: set[int] = set()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            self.pids.update(process_tree(self.proc.pid))
+            time.sleep(0.2)
+
+    def first(self, text: str, after: float = 0.0) -> float | None:
+        """When the first line holding `text` arrived (after `after`), or None."""
+        return next((t for t, line in list(self.lines) if t > after and text in line), None)
+
+    def out(self) -> str:
+        return "".join(line for _, line in list(self.lines))
+
+    def kill(self) -> float:
+        """SIGKILL the agent and its worker (torchrun puts workers in sessions of their own);
+        returns when."""
+        for pid in process_tree(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return time.monotonic()
+
+    def finish(self, timeout: float) -> int:
+        self.proc.stdout = None  # the reader thread owns the pipe
+        code, _ = finish(self.proc, timeout)
+        return code
+
+
+def wait_for(nodes: list[Node], text: str, timeout: float) -> float:
+    """When `text` first appeared in any node's output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = [t for n in nodes if (t := n.first(text)) is not None]
+        if seen:
+            return min(seen)
+        time.sleep(0.05)
+    raise AssertionError(f"no {text!r} within {timeout}s:\n" + nodes[0].out()[-3000:])
+
+
+def wait_listening(port: int, timeout: float = 60) -> None:
+    """Until the first node's agent hosts the rendezvous store: the store lives in that agent,
+    so it is the node that must survive (docs/elastic.md)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no rendezvous store on port {port} after {timeout}s")
+
+
+def alive(pids: set[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.fixture
+def elastic_node(base_args, tmp_path):
+    """() -> a started Node of one c10d job (NNODES=1:2, one process per node, one run
+    folder) training on ROWS recorded rows (reads-try<restart>-rank<R>.txt in tmp_path);
+    the first one hosts the rendezvous store."""
+    port = free_port()
+    env = {"NNODES": "1:2", "NPROC_PER_NODE": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}",
+           "RDZV_ID": "elastic", "MAX_RESTARTS": "3", "RECORD_TAG": "try{restart}"}  # fmt: skip
+    nodes: list[Node] = []
+    data = recorded_data(tmp_path, ROWS)
+
+    def node() -> Node:
+        nodes.append(Node([*base_args, *data, *ELASTIC_ARGS], **env))
+        if len(nodes) == 1:
+            wait_listening(port)
+        return nodes[-1]
+
+    return node
+
+
+def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
+    elastic_node, tmp_path, log_dir
+) -> None:
+    """The survivor resumes within RECOVERY_S of the death, keeps the global batch (the same
+    optimizer steps as two nodes would take), and trains every row of the interrupted epoch
+    once from the checkpoint's position on."""
+    host, other = elastic_node(), elastic_node()
+    wait_for([host, other], "at step 20", timeout=90)  # mid-epoch 0, a last.ckpt to resume
+    killed = other.kill()
+    assert host.finish(timeout=150) == 0, host.out()[-4000:]
+    resumed = host.first(RESUMED, after=killed)
+    assert resumed is not None, host.out()[-4000:]
+    print(f"node killed -> survivor training again after {resumed - killed:.1f} s")
+    assert resumed - killed < RECOVERY_S, host.out()[-4000:]
+    out = host.out()
+    assert "Metrics:" in out and "the global batch of 4 is kept" in out, out[-4000:]
+    assert not alive(host.pids | other.pids)
+    last = log_dir / "train" / "runs" / "torchrun-elastic" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 2 * math.ceil(ROWS / 4)
+    # Epoch 0: the rows both nodes had read when the checkpoint was written (its position),
+    # then what the survivor read after its restart, before its epoch 1 (ROWS rows).
+    position = int(re.search(r"Resuming epoch 0 at global position (\d+)", out)[1])
+    first, (after,) = recorded_reads(tmp_path, "try0"), recorded_reads(tmp_path, "try1")
+    epoch0 = [i for rank in first for i in rank[: position // 2]] + after[:-ROWS]
+    assert collections.Counter(epoch0) == collections.Counter(range(ROWS))
+
+
+def test_a_node_that_joins_is_taken_in_at_the_next_restart(elastic_node) -> None:
+    first = elastic_node()
+    wait_for([first], "Training", timeout=90)  # training alone (world size 1)
+    second = elastic_node()
+    began = time.monotonic()
+    codes = [first.finish(timeout=150), second.finish(timeout=150)]
+    both = first.out() + second.out()
+    assert codes == [0, 0], both[-4000:]
+    assert "Starting with 2 processes" in both, both[-4000:]
+    joined = min(t for n in (first, second) if (t := n.first(RESUMED, after=began)))
+    print(f"node started -> both training together after {joined - began:.1f} s")
+    assert not alive(first.pids | second.pids)
+
+
+def test_no_survivor_waits_on_a_node_that_died_at_the_end(elastic_node) -> None:
+    """torchrun's agent waits up to 300 s at the end for every other agent; ours only for
+    those whose heartbeats still come."""
+    host, other = elastic_node(), elastic_node()
+    wait_for([host, other], "Metrics:", timeout=120)  # training has ended on rank 0
+    killed = other.kill()
+    assert host.finish(timeout=120) == 0, host.out()[-4000:]
+    print(f"node killed at the end -> survivor exited after {time.monotonic() - killed:.1f} s")
+    assert time.monotonic() - killed < 30
+    assert not alive(host.pids | other.pids)
