@@ -119,8 +119,8 @@ def elastic_node(base_args, tmp_path):
     nodes: list[Node] = []
     data = recorded_data(tmp_path, ROWS)
 
-    def node() -> Node:
-        nodes.append(Node([*base_args, *data, *ELASTIC_ARGS], **env))
+    def node(*extra: str) -> Node:
+        nodes.append(Node([*base_args, *data, *ELASTIC_ARGS, *extra], **env))
         if len(nodes) == 1:
             wait_listening(port)
         return nodes[-1]
@@ -156,9 +156,11 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
 
 
 def test_a_node_that_joins_is_taken_in_at_the_next_restart(elastic_node) -> None:
-    first = elastic_node()
+    # Long enough (8 epochs of 300 steps alone) that the first node is still training when the
+    # second has started on a busy machine; both end once the 8 epochs are done together.
+    first = elastic_node("trainer.max_epochs=8")
     wait_for([first], "Training", timeout=90)  # training alone (world size 1)
-    second = elastic_node()
+    second = elastic_node("trainer.max_epochs=8")
     began = time.monotonic()
     codes = [first.finish(timeout=150), second.finish(timeout=150)]
     both = first.out() + second.out()

@@ -341,3 +341,6 @@ def test_the_step_timeout_starts_at_the_second_window_after_anything_long(monkey
     alone = ddp.CollectiveTimeout(5, None, world_size=1)  # one process waits for no one
     alone.in_steps(), alone.in_steps()
     assert set_to == [5, 600, 5]
+    shorter = ddp.CollectiveTimeout(120, datetime.timedelta(seconds=10), world_size=2)
+    shorter.in_steps(), shorter.in_steps()  # strategy.timeout below the step timeout: it wins
+    assert set_to == [5, 600, 5, 10]

@@ -265,9 +265,9 @@ class CollectiveTimeout:
     def __init__(
         self, step_s: float | None, long: datetime.timedelta | None, world_size: int
     ) -> None:
-        on = bool(step_s) and world_size > 1
-        self.step = datetime.timedelta(seconds=step_s) if on and step_s else None
         self.long = long or datetime.timedelta(seconds=600)
+        step = datetime.timedelta(seconds=step_s) if step_s and world_size > 1 else None
+        self.step = min(step, self.long) if step else None  # never longer than `timeout`
         self.windows = 0  # window starts since the last long phase
         self.short = False  # the step timeout is in force
 
