@@ -29,7 +29,7 @@
 # to use, e.g. eth0 or ib0), NCCL_DEBUG=INFO (what NCCL chose), TORCH_DISTRIBUTED_DEBUG.
 ''':'
 # Bash reads the line above as the no-op `:`, Python as the start of a string that ends at
-# the `exit` line at the bottom: Python then runs only the last line.
+# the `exit` line at the bottom: Python then runs only the lines below that.
 set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -87,6 +87,10 @@ fi
 
 run "${TORCHRUN[@]}" "${args[@]}" -m "$MODULE" "$@"
 # shellcheck disable=SC2317  # the Python part: bash never gets past `exit`
-exit # '''
-# shellcheck disable=SC2317
-import project.engine.launch.bash_script  # Python: run this file with bash (as --no-python)
+exit <<'# end of the Python part' # '''
+# Python: run this file with bash, as `torchrun --no-python` does. Bash reads these lines
+# only as the here-document of `exit` above, so it neither runs nor parses them.
+from project.engine.launch.bash_script import exec_bash
+
+exec_bash()
+# end of the Python part

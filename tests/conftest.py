@@ -18,7 +18,8 @@ from tests.helpers import (
     Run,
     assert_groups_closed,
     exit_check_env,
-    group_alive,
+    job_processes,
+    kill_job,
     run_launch,
 )
 
@@ -97,17 +98,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def reap_processes() -> Iterator[None]:
-    """Whatever ends a test (a failure, pytest-timeout's limit), the process groups it started
-    are killed afterwards, and the output of any still running is printed (pytest shows it
-    with the failure)."""
-    import signal
-
+    """Whatever ends a test (a failure, pytest-timeout's limit), the jobs it started are
+    killed afterwards (every process of each, also those in sessions of their own: torchrun's
+    workers), and the output of any still running is printed (pytest shows it with the
+    failure)."""
     yield
     while STARTED:
         proc = STARTED.pop()
-        if proc.poll() is None or group_alive(proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None or job_processes(proc):
+            kill_job(proc)
             with contextlib.suppress(ValueError, subprocess.TimeoutExpired):
                 out, _ = proc.communicate(timeout=10)
                 print(f"--- killed after the test: {' '.join(proc.args)}\n{(out or '')[-3000:]}")

@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,37 +123,87 @@ def python_stacks(pids: list[int]) -> str:
 
 STARTED: list[subprocess.Popen[str]] = []  # this test's process groups (see reap_processes)
 
+# start() gives each job a mark of its own in this environment variable: every process of the
+# job inherits it, and keeps it in a session of its own (torchrun's workers) and after its
+# parent died and init adopted it, where neither the process group nor the tree finds it.
+JOB_VAR = "PROJECT_TEST_JOB"
+JOB_MARKS: weakref.WeakKeyDictionary[subprocess.Popen[str], str] = weakref.WeakKeyDictionary()
+
 
 def start(cmd: Sequence[str], **env: str) -> subprocess.Popen[str]:
-    """Start `cmd` from the repo root in its own process group (so a test can see strays)."""
+    """Start `cmd` from the repo root in its own process group, its processes marked as one
+    job (JOB_VAR), so that finish() sees every process the job leaves behind."""
+    mark = uuid.uuid4().hex
     proc = subprocess.Popen(
-        list(cmd), cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
+        list(cmd), cwd=ROOT, env=child_env(**env, **{JOB_VAR: mark}), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
+    JOB_MARKS[proc] = mark
     STARTED.append(proc)
     return proc
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 180) -> tuple[int, str]:
-    """Wait for `proc`; kill its whole group if it overruns. Returns (exit code, output)."""
+def job_processes(proc: subprocess.Popen[str]) -> dict[int, str]:
+    """The live processes of `proc`'s job, pid -> command line: those in its process group,
+    those below it, and those carrying its JOB_VAR mark (if start() started it). One pass
+    over /proc (~1 ms): finish() polls it after every distributed test. Zombies count as
+    ended (nothing left to kill; init may never reap them in a container)."""
+    mark = JOB_MARKS.get(proc)
+    needle = f"{JOB_VAR}={mark}\0".encode() if mark else None
+    # Only while `proc` runs: once it is reaped its pid may be another process's.
+    below = set(process_tree(proc.pid)) if proc.poll() is None else set()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            state, _ppid, pgid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            ours = int(pgid) == proc.pid or pid in below
+            if not ours and needle is not None:
+                ours = needle in (entry / "environ").read_bytes()
+            if ours and state != "Z":
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                found[pid] = cmdline.decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile, or not ours to read
+    return found
+
+
+def kill_job(proc: subprocess.Popen[str]) -> dict[int, str]:
+    """SIGKILL every process of `proc`'s job (job_processes); returns what was running."""
     import signal
+
+    # The group at once first: a process it forks meanwhile is in the group too.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    left = job_processes(proc)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def finish(
+    proc: subprocess.Popen[str], timeout: float = 180, settle_s: float = 10
+) -> tuple[int, str]:
+    """Wait for `proc`; kill its whole job if it overruns. Then every process of the job must
+    end within `settle_s` (a worker's interpreter exit can take a moment): one that does not
+    is killed and fails the test. Returns (exit code, output)."""
     import time
 
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        tree = process_tree(proc.pid)
-        stacks = python_stacks(tree)
-        for pid in tree:  # torchrun puts its workers in sessions of their own
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
+        stacks = python_stacks(sorted(job_processes(proc)))
+        kill_job(proc)
         out, _ = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s:\n{out[-3000:]}\n{stacks}") from None
-    deadline = time.monotonic() + 10
-    while group_alive(proc.pid) and time.monotonic() < deadline:
+    deadline = time.monotonic() + settle_s
+    while job_processes(proc) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not group_alive(proc.pid), f"processes left behind by {proc.args}"
+    left = kill_job(proc)
+    assert not left, f"processes left behind by {proc.args}: {left}"
     return proc.returncode, out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from project.engine.launch import ddp
+from project.engine.distributed import ddp
 from project.engine.lightning.build import instantiate_all
 from tests.helpers import CONFIG_DIR, options
 
@@ -129,6 +129,7 @@ def test_the_trainer_flags_alone_switch_their_callback_off(compose_train, flag: 
     import lightning.pytorch as pl
 
     from project.engine.checkpoints.resume import Resume
+    from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.lightning.build import callbacks
     from project.engine.run.skeleton import Run
 
@@ -137,7 +138,9 @@ def test_the_trainer_flags_alone_switch_their_callback_off(compose_train, flag: 
     for value in (True, False):
         cfg = compose_train([f"trainer.{flag}={value}"])
         topology = ddp.resolve_topology(cfg.trainer)
-        run = Run(cfg, Path(cfg.paths.output_dir), topology, Resume(), None, identity={})
+        output_dir = Path(cfg.paths.output_dir)
+        checkpoints = RunCheckpoints(cfg, output_dir, None, {}, {})
+        run = Run(cfg, output_dir, topology, Resume(), checkpoints)
         found = callbacks(run, loggers=[])
         assert any(isinstance(c, kind) for c in found) == value
         instantiate(cfg.trainer, callbacks=found, logger=False)  # Lightning accepts it

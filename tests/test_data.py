@@ -49,6 +49,6 @@ def test_split_is_deterministic_and_disjoint() -> None:
 
 def test_dataset_reads_memory_mapped(data_dir: Path) -> None:
     ds = digits.DigitsDataset(data_dir, np.array([5, 7]))
-    assert isinstance(ds.x, np.memmap) and len(ds) == 2
+    assert isinstance(ds.features.array, np.memmap) and len(ds) == 2
     x, y = ds[1]
     assert x.shape == (64,) and int(y) == int(np.load(data_dir / digits.TARGETS_FILE)[7])

@@ -7,8 +7,8 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
+from project.engine.distributed import ddp
 from project.engine.errors import UserError
-from project.engine.launch import ddp
 
 TORCHRUN_2x1 = {"TORCHELASTIC_RUN_ID": "abc", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
 TORCHRUN_1x2 = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.engine.launch.exits import EXIT_PREEMPTED
-from project.engine.launch.signals import STOP_SIGNALS
+from project.engine.distributed.exits import EXIT_PREEMPTED
+from project.engine.distributed.signals import STOP_SIGNALS
 from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
     CHARLM,
@@ -72,6 +72,7 @@ BOTH = tuple(TRAINERS.values())  # every trainer's module
         pytest.param(("project.raw_train",), 1, "digits", id="raw-digits"),  # feature:raw
         pytest.param(BOTH, 1, "charlm", id="both-charlm"),
         pytest.param(BOTH, 1, "digits-2-workers", id="both-digits-2-workers"),
+        pytest.param(BOTH, 1, "digits-no-fault-tolerance", id="both-digits-no-fault-tolerance"),
         pytest.param(BOTH, 4, "digits", marks=pytest.mark.slow, id="both-digits-accumulate4"),
     ],
 )
@@ -79,28 +80,34 @@ def test_preempted_mid_epoch_then_rerun_matches_uninterrupted(
     base_args, log_dir, modules, accumulate, task
 ) -> None:
     """Each trainer is stopped mid-epoch and rerun; its final weights must be those of one
-    uninterrupted run (one reference serves both trainers: their weights are bitwise equal)."""
+    uninterrupted run (one reference serves both trainers: their weights are bitwise equal).
+    Without callbacks.fault_tolerance a stop still saves what the rerun resumes from (it once
+    said "run the same command again to resume" and the rerun started from scratch)."""
     args = [*base_args, *(CHARLM if task == "charlm" else ARGS),
             f"trainer.accumulate_grad_batches={accumulate}"]  # fmt: skip
     if task == "digits-2-workers":  # the workers copy the order when the first iterator starts
         args.append("data.num_workers=2")
+    reruns = [*args, "callbacks.fault_tolerance=null"] if "no-fault" in task else args
     if accumulate > 1:  # checks every 2 windows = 8 batches: a stop never splits a window
         args.append("callbacks.fault_tolerance.check_every_n_steps=2")
     # SIGTERM at step 25 (accumulate 4: step 7, batch 8 of epoch 1): every rank stops at the
     # next check (mid-epoch, at a window start), saves last.ckpt and exits with the code.
     at_step, stop_step, skipped = (25, 29, 9) if accumulate == 1 else (7, 7, 8)
-    cut = [*args, f"fault_injection.at_step={at_step}", "fault_injection.mode=sigterm"]
+    cut = [*reruns, f"fault_injection.at_step={at_step}", "fault_injection.mode=sigterm"]
     whole, *cuts = python_runs((modules[0], args, "whole"), *((m, cut, m) for m in modules))
     assert whole[0] == 0, whole[1][-3000:]
     for code, out in cuts:
         assert code == EXIT_PREEMPTED, out[-3000:]
         assert f"Stopped by a signal at step {stop_step}" in out
     # The same command again (same run folder) resumes mid-epoch and ends identical.
-    for code, out in python_runs(*((m, args, m) for m in modules)):
+    for code, out in python_runs(*((m, reruns, m) for m in modules)):
         assert code == 0, out[-3000:]
         assert "skipping" in out and f"{skipped} batches" in out
     for module in modules:
         assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs" / module)
+    if reruns is not args:  # its last checkpoint says it finished: a third run trains nothing
+        for code, out in python_runs(*((m, reruns, m) for m in modules)):
+            assert code == 0 and "This run already finished" in out, out[-3000:]
 
 
 def test_step_cadence_checkpoint_then_sigkill_resumes_exactly(base_args, log_dir) -> None:
@@ -258,9 +265,10 @@ def test_every_stop_signal_stops_a_worker_at_the_next_check() -> None:
     """Each stop signal, really sent, sets the flag the ranks agree on at the next check."""
     script = textwrap.dedent("""
         import os, torch
-        from project.engine.launch.signals import STOP_SIGNALS, StopSignal
+        from project.engine.distributed.signals import STOP_SIGNALS, StopSignal
         for signum in STOP_SIGNALS:
-            stop = StopSignal(every_n_steps=1)
+            stop = StopSignal(every_n_steps=1, budget_s=None, save_every_n_train_steps=None,
+                              save_every_n_seconds=None)
             stop.install()
             assert stop.check(torch.device("cpu"))[0] is False
             os.kill(os.getpid(), signum)
@@ -323,7 +331,7 @@ def test_the_step_timeout_starts_at_the_second_window_after_anything_long(monkey
     rank has passed a collective since."""
     import datetime
 
-    from project.engine.launch import ddp
+    from project.engine.distributed import ddp
 
     set_to: list[float] = []
     monkeypatch.setattr(ddp, "set_collective_timeout", lambda t: set_to.append(t.seconds))

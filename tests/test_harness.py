@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, finish, group_alive, process_tree, start
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -80,3 +83,58 @@ def test_tests_sharing_a_run_stay_on_one_worker(tmp_path) -> None:
     proc = run_pytest(probe, "-n", "2", "--dist", "loadgroup")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert len(builds.read_text().split()) == 1, "the shared fixture was built on every worker"
+
+
+# A launcher whose child outlives it in a session of its own, as a torchrun worker does when
+# its agent dies: init adopts the child, outside the launcher's process group and tree.
+ORPHAN = """
+import subprocess, sys
+out = None if sys.argv[1] == "holds-output" else subprocess.DEVNULL
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         stdout=out, stderr=out, start_new_session=True)
+print(child.pid, flush=True)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def ends_soon(pid: int, within_s: float = 5) -> bool:
+    deadline = time.monotonic() + within_s
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not running(pid)
+
+
+@pytest.mark.parametrize("output", ["own-output", "holds-output"])
+def test_finish_sees_a_leftover_in_a_session_of_its_own(output: str) -> None:
+    """finish() used to look for leftovers only in the launcher's process group, and on a
+    timeout killed only the launcher's tree: a process in a session of its own whose parent
+    died was in neither, and ran on. Now it is found (by the job's mark), killed, and fails
+    the test: as a leftover, or, if it keeps the job's output open, as a timeout."""
+    proc = start([sys.executable, "-c", ORPHAN, output])
+    orphan = int(proc.stdout.readline())
+    proc.wait(timeout=60)
+    try:
+        # What the old check looked at misses it.
+        assert running(orphan)
+        assert not group_alive(proc.pid) and orphan not in process_tree(proc.pid)
+        expected = "timed out" if output == "holds-output" else f"left behind.*{orphan}"
+        with pytest.raises(AssertionError, match=expected):
+            finish(proc, timeout=2, settle_s=0.5)
+        assert ends_soon(orphan), f"finish() left {orphan} running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
+def test_finish_passes_a_job_that_leaves_nothing() -> None:
+    proc = start([sys.executable, "-c", ORPHAN.replace("time.sleep(120)", "pass"), "own-output"])
+    began = time.monotonic()
+    assert finish(proc, timeout=60)[0] == 0
+    assert time.monotonic() - began < 5  # waits only while something of the job runs

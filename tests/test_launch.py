@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from project.engine.launch import exits
-from project.engine.launch.signals import STOP_SIGNALS
+from project.engine.distributed import exits
+from project.engine.distributed.signals import STOP_SIGNALS
 from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
     ROOT,
     SHORT_LOGGED,
     assert_same_training,  # feature:raw
+    child_env,
     finish,
     free_port,
     launcher,
@@ -153,6 +154,16 @@ def test_torchrun_runs_the_multinode_script(base_args, log_dir, no_python) -> No
     assert "SyntaxError" not in out and "-m project.train" in out  # the script's own "+ ..." line
     code, out = finish(start([*cmd, "trainer.max_epochs=abc"]))
     assert code != 0 and "error: trainer.max_epochs='abc'" in out, out[-3000:]
+
+
+def test_importing_the_bash_handoff_returns() -> None:
+    """The module whose `exec_bash` hands `python launch/multinode.sh` to bash used to exec
+    at import: any process importing it became bash. Now only the script's call execs (the
+    test above runs that path through torchrun)."""
+    code = "import project.engine.launch.bash_script; print('still Python')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "still Python\n", proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -339,7 +350,7 @@ def stop(signum, frame):
     sys.exit({exits.EXIT_PREEMPTED})  # as a training worker after saving last.ckpt
 
 with report_exit():
-    for signum in {[int(s) for s in STOP_SIGNALS]}:  # project.engine.launch.signals' own list
+    for signum in {[int(s) for s in STOP_SIGNALS]}:  # project.engine.distributed.signals' own list
         signal.signal(signum, stop)
     print("ready", flush=True)
     time.sleep(60)

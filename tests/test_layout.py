@@ -69,7 +69,7 @@ def test_your_code_does_not_depend_on_the_machinery() -> None:
 # What entry points import before Hydra has composed: torch and Lightning stay out of it.
 LIGHT = [
     "project.engine.launch.env", "project.engine.config.compose", "project.engine.run.console",
-    "project.engine.run.cli", "project.engine.run.skeleton", "project.engine.launch.exits",
+    "project.engine.run.cli", "project.engine.run.skeleton", "project.engine.distributed.exits",
     "project.engine.launch.torchrun", "project.engine.private_api", "project.launcher",
     "project.train",
     "project.raw_train",  # feature:raw
@@ -108,7 +108,7 @@ def test_the_raw_trainer_never_imports_lightning(data_dir, tmp_path) -> None:
 def test_ddp_options_read_from_source_match_the_imported_signature() -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from project.engine.launch.ddp import _ddp_strategy_arguments
+    from project.engine.distributed.ddp import _ddp_strategy_arguments
 
     assert _ddp_strategy_arguments() == set(inspect.signature(DDPStrategy.__init__).parameters)
 

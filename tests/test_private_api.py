@@ -14,10 +14,14 @@ pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
 
 def instance_attributes(cls: type) -> set[str]:
-    """Attributes a class sets on its instances in __init__ (e.g. MLFlowLogger._run_id)."""
+    """Attributes a class sets on its instances in __init__ (e.g. MLFlowLogger._run_id), or
+    a dataclass's fields (e.g. Lightning's _Progress.current)."""
+    import dataclasses
     import inspect
     import re
 
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
     return set(
         re.findall(r"^\s*self\.(\w+)\s*(?::[^=\n]*)?=", inspect.getsource(cls.__init__), re.M)
     )
@@ -29,12 +33,40 @@ def test_private_name_exists(module: str, dotted: str) -> None:
     *owners, name = dotted.split(".")
     for owner in owners:
         obj = getattr(obj, owner)
+    if isinstance(obj, list | tuple):  # a class's __slots__: one of them
+        assert name in obj, f"{module}.{dotted} is gone"
+        return
     assert hasattr(obj, name) or name in instance_attributes(obj), f"{module}.{dotted} is gone"
 
 
 def test_the_check_can_fail() -> None:
     """A renamed attribute is reported (the check above is not vacuous)."""
+    import lightning.pytorch.loops.progress as progress
     import lightning.pytorch.loops.training_epoch_loop as loop
 
     assert not hasattr(loop._TrainingEpochLoop, "_broadcast_sigterm_tensor_renamed")
     assert "_no_such_attribute" not in instance_attributes(loop._TrainingEpochLoop)
+    assert not hasattr(progress._Progress, "current")  # a field with a default factory
+    assert "current" in instance_attributes(progress._Progress)
+    assert "currently" not in instance_attributes(progress._Progress)
+
+
+def test_the_template_uses_no_other_private_name_of_powersgd_and_the_fit_loop() -> None:
+    """Every private torch name comm_hooks.py imports, every PowerSGDState slot it reads,
+    and every progress counter the Lightning datamodule wrapper touches is in USED."""
+    import re
+    from pathlib import Path
+
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    src = Path(__file__).resolve().parents[1] / "src" / "project" / "engine"
+    listed = {dotted.rsplit(".", 1)[-1] for _, dotted in USED}
+    hooks = (src / "distributed" / "comm_hooks.py").read_text()
+    imported = set(re.findall(r"powerSGD_hook import (_\w+)", (src / "private_api.py").read_text()))
+    slots = set(re.findall(r"(?:self\.state|state|s)\.(\w+)", hooks)) & set(PowerSGDState.__slots__)
+    wrapper = (src / "lightning" / "datamodule.py").read_text()
+    wrapper += (src / "lightning" / "callbacks.py").read_text()
+    loops = r"fit_loop|fit|epoch_loop|epoch_progress|batch_progress|progress|current|total|counts"
+    counters = set(re.findall(rf"(?=\b(?:{loops})\.(\w+))", wrapper))  # chains overlap
+    assert imported and slots and counters
+    assert (imported | slots | counters) - listed == set()

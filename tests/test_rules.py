@@ -10,17 +10,23 @@ import pytest
 from omegaconf import OmegaConf
 
 from project.engine.checkpoints.resume import Resume, check_resumable, training_identity
+from project.engine.checkpoints.run import RunCheckpoints
+from project.engine.distributed.signals import StopSignal
 from project.engine.errors import UserError
-from project.engine.launch.signals import StopSignal
 from project.engine.run.skeleton import Run, checkpoint_to_test
 from tests.helpers import CONFIG_DIR
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
 
-# --- the stop budget (project.engine.launch.signals) ----------------------------------------
+# --- the stop budget (project.engine.distributed.signals) ----------------------------------------
+def stop_signal(every_n_steps: int, budget_s: float | None) -> StopSignal:
+    return StopSignal(every_n_steps=every_n_steps, budget_s=budget_s,
+                      save_every_n_train_steps=None, save_every_n_seconds=None)  # fmt: skip
+
+
 def test_check_interval_shrinks_to_fit_the_budget() -> None:
-    stop = StopSignal(every_n_steps=10, budget_s=25.0)
+    stop = stop_signal(every_n_steps=10, budget_s=25.0)
     stop._adapt(window_s=0.1, save_s=1.0)  # 10 windows + a save fit easily
     assert stop.interval == 10
     stop._adapt(window_s=4.0, save_s=5.0)  # (25 - 5) / 4 = 5 windows
@@ -30,28 +36,45 @@ def test_check_interval_shrinks_to_fit_the_budget() -> None:
 
 
 def test_no_budget_keeps_the_interval() -> None:
-    stop = StopSignal(every_n_steps=7, budget_s=None)
+    stop = stop_signal(every_n_steps=7, budget_s=None)
     stop._adapt(window_s=100.0, save_s=100.0)
     assert stop.interval == 7
 
 
-def test_cadences_come_from_the_fault_tolerance_config() -> None:
-    ft = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "callbacks" / "fault_tolerance.yaml"))
-    stop = StopSignal.from_config(ft["fault_tolerance"])
-    yaml = ft["fault_tolerance"]
-    assert (stop.every_n_steps, stop.budget_s) == (
-        yaml["check_every_n_steps"],
-        yaml["stop_budget_s"],
-    )
-    assert stop.save_every_n_seconds == yaml["every_n_seconds"]
+def owner(tmp_path: Path, **callbacks: object) -> RunCheckpoints:
+    cfg = {"callbacks": callbacks, "paths": {"output_dir": str(tmp_path)}}
+    return RunCheckpoints(cfg, tmp_path, None, {}, {})
+
+
+def test_cadences_come_from_the_fault_tolerance_config(tmp_path: Path) -> None:
+    """One home per value: the config group's file. On: its cadences; off: its stop-check
+    keys, and no save cadence (a stop still saves)."""
+    yaml = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "callbacks" / "fault_tolerance.yaml"))
+    yaml = yaml["fault_tolerance"] | {"dirpath": str(tmp_path / "ft")}
+    on, off = owner(tmp_path, fault_tolerance=yaml), owner(tmp_path, fault_tolerance=None)
+    for stop in (on.stop_signal(), off.stop_signal()):
+        assert (stop.every_n_steps, stop.budget_s) == (
+            yaml["check_every_n_steps"], yaml["stop_budget_s"])  # fmt: skip
+    assert on.stop_signal().save_every_n_seconds == yaml["every_n_seconds"] is not None
+    assert off.stop_signal().save_every_n_seconds is None
+    assert (on.periodic, off.periodic) == (True, False)
+    assert on.last == tmp_path / "ft" / "last.ckpt"  # fault tolerance's folder
+    assert off.last == tmp_path / "checkpoints" / "last.ckpt"  # the run's checkpoint folder
+    assert (
+        owner(tmp_path, fault_tolerance={"every_n_seconds": 5}).settings.check_every_n_steps
+        == yaml["check_every_n_steps"]
+    )  # a user's own block: the rest from the file
     with pytest.raises(UserError, match=r"callbacks\.fault_tolerance\.check_every_n_step "):
-        StopSignal.from_config({"check_every_n_step": 3})
+        owner(tmp_path, fault_tolerance={"check_every_n_step": 3})
+    old = "project.engine.lightning.callbacks.FaultTolerance"
+    with pytest.raises(UserError, match=r"fault_tolerance\._target_ must be project\.engine"):
+        owner(tmp_path, fault_tolerance={"_target_": old})
 
 
 # feature:raw
 # --- the raw trainer's early stopping (Lightning's rule) ------------------------------------
 def early_stopping(patience: int, min_delta: float = 0.0, mode: str = "min"):
-    from project.engine.raw.trainer import EarlyStopping
+    from project.engine.raw.early_stopping import EarlyStopping
 
     cfg = OmegaConf.create({"monitor": "val/loss", "mode": mode, "patience": patience,
                             "min_delta": min_delta})  # fmt: skip
@@ -112,8 +135,8 @@ def test_an_explicit_checkpoint_may_change_all_but_the_network() -> None:
 # --- which weights `test` evaluates, the same rule in both trainers -------------------------
 def run_of(tmp_path: Path, train: bool, test_ckpt: str, resume: Resume) -> Run:
     cfg = OmegaConf.create({"train": train, "test_ckpt": test_ckpt})
-    last = tmp_path / "last.ckpt"
-    return Run(cfg, tmp_path, None, resume, last, identity={})  # type: ignore[arg-type]
+    checkpoints = owner(tmp_path, fault_tolerance={"dirpath": str(tmp_path)})  # tmp_path/last.ckpt
+    return Run(cfg, tmp_path, None, resume, checkpoints)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, Weighte
 from project.engine.data import sharding
 from project.engine.data.samplers import EvalShardSampler, ResumableSampler, ShardedDraws
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
+from project.engine.distributed.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.errors import UserError
-from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from tests.helpers import assert_same_weights, finish, launcher, start, torchrun, user_data
 from tests.user_data import balancing_weights
 

@@ -18,8 +18,8 @@ from project.data.text import CharCorpus
 from project.data.text_stream import CharStream
 from project.engine.data.loaders import plain_loader
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
+from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
-from project.engine.launch.exits import EXIT_PREEMPTED
 from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
     CHARLM,
@@ -204,6 +204,24 @@ def test_data_chars_stream_trains_like_data_chars_in_the_same_order(
     assert chars.returncode == streamed.returncode == 0, streamed.stderr[-3000:]
     a, b = logged_metrics(chars.stdout, "val/"), logged_metrics(streamed.stdout, "val/")
     assert a == b and a
+
+
+def test_a_shard_folder_url_trains_alike_and_its_cache_goes_with_the_run(
+    chars_shards: Path, base_args, log_dir: Path
+) -> None:
+    """The same shards as a `file://` URL (the object-store path: shards are copied to the
+    run folder's shard_cache/rank0/ when first read, by 2 DataLoader workers, over 2 epochs)
+    give the losses of the local folder, and no copy is left in the run folder."""
+    same = [*base_args, *stream_args(chars_shards), "data.num_workers=2", "trainer.max_epochs=2"]
+    local = run_script("train.py", same, RUN_ID="local")
+    cache = "++data.dataset.cache_dir=${paths.output_dir}/shard_cache"
+    url = run_script("train.py", [*same, f"data.dataset.folder=file://{chars_shards}", cache],
+                     RUN_ID="url")  # fmt: skip
+    assert local.returncode == url.returncode == 0, url.stderr[-3000:]
+    losses = [{k: v for k, v in logged_metrics(p.stdout, "").items() if "loss" in k}
+              for p in (local, url)]  # fmt: skip
+    assert losses[0] == losses[1] and "test/loss" in losses[0]
+    assert not (log_dir / "train/runs/url/shard_cache").exists()
 
 
 def test_a_missing_shard_folder_stops_train_py_in_one_line(tmp_path: Path, base_args) -> None:

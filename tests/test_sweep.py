@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from project.engine.launch.exits import EXIT_PREEMPTED
+from project.engine.distributed.exits import EXIT_PREEMPTED
 from tests.helpers import ROOT, finish, start
 
 optuna = pytest.importorskip("optuna", reason="sweeps need pip install -e '.[sweep]'")

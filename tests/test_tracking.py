@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from project.engine.launch.exits import EXIT_PREEMPTED
+from project.engine.distributed.exits import EXIT_PREEMPTED
 from tests.helpers import ROOT, finish, free_port, start
 
 pytest.importorskip("mlflow", reason="logger=mlflow needs pip install -e '.[track]'")

@@ -31,8 +31,8 @@ from project.data.stream import ShardedStream, rank_positions
 from project.engine.data import elastic, sharding
 from project.engine.data.samplers import ResumableSampler, ShardedDraws
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
+from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
-from project.engine.launch.exits import EXIT_PREEMPTED
 from tests.helpers import (
     QUIET,
     final_weights,
@@ -541,7 +541,8 @@ def lightning_epoch(tmp_path: Path, ckpt: Path | None) -> list[list[int]]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from project.engine.lightning.callbacks import DataPosition
+    from project.engine.checkpoints.run import RunCheckpoints
+    from project.engine.lightning.callbacks import RunState
     from project.engine.lightning.datamodule import shard_datamodule
 
     seen: list[list[int]] = []
@@ -563,6 +564,7 @@ def lightning_epoch(tmp_path: Path, ckpt: Path | None) -> list[list[int]]:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     cfg = config(4)
+    owner = RunCheckpoints(cfg, tmp_path, None, {}, elastic.asked(cfg))  # callbacks off
     saved = torch.load(ckpt, weights_only=True)[elastic.KEY] if ckpt else None
     data = Data()
     shard_datamodule(data, 0, elastic.Position.of(saved))
@@ -571,7 +573,7 @@ def lightning_epoch(tmp_path: Path, ckpt: Path | None) -> list[list[int]]:
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False,
                          num_sanity_val_steps=0,
-                         callbacks=[DataPosition(cfg, elastic.asked(cfg)), every])  # fmt: skip
+                         callbacks=[RunState(owner), every])  # fmt: skip
     trainer.fit(Model(), data, ckpt_path=ckpt, weights_only=True)
     return seen
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from project.engine.config.compose import CONFIG_DIR, register_resolvers, run_id
 from project.engine.config.schema import check_schema
+from project.engine.distributed.exits import fail
 from project.engine.launch import torchrun
-from project.engine.launch.exits import fail
 from project.engine.launch.torchrun import TRAINERS
 from project.engine.run.results import read_metrics
 from project.engine.shared.step_stats import STATS_FILE

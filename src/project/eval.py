@@ -18,7 +18,7 @@ from project.engine.data.worker_start import configure_worker_start
 from project.engine.errors import UserError
 from project.engine.run import cli
 
-log = logging.getLogger("project.eval")
+log = logging.getLogger("project.eval")  # not __name__: run as a script it is "__main__"
 
 LOADING_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
 
@@ -65,6 +65,8 @@ def data_config(ckpt: dict[str, Any], cfg: DictConfig) -> dict[str, Any]:
         dataset.update({k: v for k, v in given["dataset"].items() if k == "data_dir"})
     elif "data_dir" in dataset:
         dataset["data_dir"] = cfg.paths.data_dir  # where this machine keeps its data
+    if "cache_dir" in dataset:  # a remote stream's shards: cached in this run's folder
+        dataset["cache_dir"] = f"{cfg.paths.output_dir}/shard_cache"
     return {**saved, "dataset": dataset}
 
 
@@ -79,8 +81,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # the workers' fork server: started before Lightning loads, it imports meanwhile
     configure_worker_start(cfg.get("worker_start_method"), data, "project.eval")
 
-    from project.engine.launch import ddp
-    from project.engine.launch.exits import close_process_group
+    from project.engine.distributed import ddp
+    from project.engine.distributed.exits import close_process_group
     from project.engine.lightning.build import instantiate_all
     from project.engine.lightning.datamodule import DataModule, shard_datamodule
     from project.engine.lightning.module import TaskModule

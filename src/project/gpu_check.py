@@ -32,7 +32,7 @@ ONE_GPU = ["trainer=gpu", "trainer.devices=1", "trainer.enable_progress_bar=fals
 SHORT = ["trainer.max_epochs=2"]
 # Workers started by the fork server while the rank holds a CUDA context, into pinned memory.
 WORKERS = ["worker_start_method=forkserver", "data.num_workers=2", "data.pin_memory=true"]
-EXIT_BAD_INPUT, EXIT_PREEMPTED = 2, 143  # project.engine.launch.exits
+EXIT_BAD_INPUT, EXIT_PREEMPTED = 2, 143  # project.engine.distributed.exits
 
 
 class Runs:

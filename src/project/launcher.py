@@ -18,10 +18,10 @@ the failure handling a training job needs, which torchrun lacks:
 - A rendezvous that does not complete (a node never started, a wrong address) is one line
   naming the likely causes; the scripts bound its wait with `--rdzv-conf`.
 
-Workers tell the launcher how they ended through `project.engine.launch.exits.report_exit`
+Workers tell the launcher how they ended through `project.engine.distributed.exits.report_exit`
 (one file per rank in a folder the launcher names in the environment): torchrun itself does
 not collect their exit codes when it is the one that was signalled. The exit codes and the
-private torch APIs patched here are defined in project.engine.launch.exits and
+private torch APIs patched here are defined in project.engine.distributed.exits and
 project.engine.private_api. Only the standard library is imported at the top.
 """
 
@@ -35,7 +35,7 @@ import sys
 import tempfile
 from typing import Any
 
-from project.engine.launch.exits import (
+from project.engine.distributed.exits import (
     EXIT_DIR_ENV,
     EXIT_FAILED,
     EXIT_OK,
@@ -51,7 +51,7 @@ from project.engine.private_api import (
 
 EXTRA_SIGNALS = ("SIGUSR1", "SIGUSR2")
 
-log = logging.getLogger("project.launcher")
+log = logging.getLogger("project.launcher")  # not __name__: run as a script it is "__main__"
 
 
 class _QuietExpectedExits(logging.Filter):

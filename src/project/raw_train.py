@@ -25,7 +25,7 @@ from project.engine.run import cli, skeleton
 
 # Not the Lightning adapters' own targets: importing them imports Lightning, which this trainer
 # never runs (raw.keys.check_config says in one line when they are not the adapters).
-RAW = skeleton.Trainer(
+RAW = skeleton.EntryPoint(
     "raw",
     "project.raw_train",
     checkpoint_key="model",
@@ -44,7 +44,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     from project.engine.raw.trainer import RawTrainer
 
     cfg, resume = run.cfg, run.resume
-    trainer = RawTrainer(cfg, run.output_dir, run.identity, run.command)
+    trainer = RawTrainer(run)
     metrics: dict[str, float] = {}
     try:
         if resume.path:
@@ -54,7 +54,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         elif resume.finished:  # training finished, its testing did not: test only
             metrics.update(resume.metrics)
         if cfg.test:
-            ckpt = skeleton.checkpoint_to_test(run, trainer.checkpoint_dir() / "best.pt")
+            ckpt = skeleton.checkpoint_to_test(run, run.checkpoints.best)
             if ckpt is not None:
                 trainer.load(ckpt, weights_only=True)
             metrics.update(trainer.test())

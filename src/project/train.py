@@ -17,13 +17,13 @@ from project.engine.config.compose import CONFIG_DIR, register_resolvers, to_pla
 from project.engine.run import cli, skeleton
 from project.engine.run.console import quiet_hydra
 
-log = logging.getLogger("project.train")
+log = logging.getLogger("project.train")  # not __name__: run as a script it is "__main__"
 # Also here, not only in main(): a SLURM job that submitit starts imports this module to run
 # the task function and never calls main().
 register_resolvers()
 quiet_hydra()
 
-LIGHTNING = skeleton.Trainer("lightning", "project.train", checkpoint_key="state_dict")
+LIGHTNING = skeleton.EntryPoint("lightning", "project.train", checkpoint_key="state_dict")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Imported at start-up by every Python process a test starts with this folder on PYTHONPATH
 (tests/conftest.py: exit_check_env). At exit, a distributed worker (RANK set) says whether
 its process group was closed: left open, gloo can abort the process after a finished run
-(see project.engine.launch.ddp.close_process_group)."""
+(see project.engine.distributed.ddp.close_process_group)."""
 
 import atexit
 import os

@@ -1,6 +1,7 @@
 """scikit-learn's 8x8 handwritten digits (1797 images, shipped with it: works offline).
 
-`prepare` writes the arrays to .npy once per node; every rank then reads them memory-mapped.
+`prepare` writes the arrays to .npy once per node; every rank then reads them memory-mapped,
+and so does every DataLoader worker: the dataset pickles as the files' paths (`MappedArray`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from project.data.source import SPLITS, DataSource, check_writable, save_array, split_indices
+from project.data.source import (
+    SPLITS,
+    DataSource,
+    MappedArray,
+    check_writable,
+    save_array,
+    split_indices,
+)
 
 FEATURES_FILE = "digits_x.npy"
 TARGETS_FILE = "digits_y.npy"
@@ -34,20 +42,21 @@ def materialise(data_dir: str | Path) -> Path:
 
 
 class DigitsDataset(Dataset):
-    """Rows `indices` of the materialised digits arrays, memory-mapped (no copy per rank)."""
+    """Rows `indices` of the materialised digits arrays, memory-mapped (no copy per rank or
+    per DataLoader worker: it pickles as the files' paths and the indices)."""
 
     def __init__(self, data_dir: str | Path, indices: np.ndarray | None = None) -> None:
         data_dir = Path(data_dir)
-        self.x = np.load(data_dir / FEATURES_FILE, mmap_mode="r")
-        self.y = np.load(data_dir / TARGETS_FILE, mmap_mode="r")
-        self.indices = np.arange(len(self.y)) if indices is None else np.asarray(indices)
+        self.features = MappedArray(data_dir / FEATURES_FILE)
+        self.targets = MappedArray(data_dir / TARGETS_FILE)
+        self.indices = np.arange(len(self.targets)) if indices is None else np.asarray(indices)
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         j = self.indices[i]
-        return torch.from_numpy(np.array(self.x[j])), torch.tensor(self.y[j])
+        return torch.from_numpy(np.array(self.features[j])), torch.tensor(self.targets[j])
 
 
 class Digits(DataSource):

@@ -7,14 +7,19 @@ The index is written last, so a folder with an index is complete. Every reader c
 index against the files before training starts (a missing, truncated or half-copied shard is
 one line on every rank, not a crash on one rank mid-epoch). A folder may be a URL that fsspec
 opens (`s3://bucket/prefix` with `pip install -e .[stream]`): shards are then downloaded to a
-local cache when first read.
+`ShardCache` when first read (per rank, under the run folder; removed at the end of the run).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +79,89 @@ def read_index(folder: str) -> dict[str, Any]:
     return index
 
 
-def load_shard(folder: str, entry: dict[str, Any]) -> np.ndarray:
-    """One shard's array, memory-mapped (a remote shard is first copied to a local cache)."""
+class ShardCache:
+    """Local copies of remote shards, one folder per rank: <root>/rank<R>/<folder>/<file>,
+    where <folder> is the remote folder's name and a hash of its URL (every split's first
+    shard is shard-00000.npy).
+
+    Every epoch starts fresh DataLoader workers that get the stream pickled; this folder is
+    what they share: a shard is fetched once per rank and read from here by every later epoch
+    and worker. A copy is downloaded under a temp name and renamed only when complete and of
+    the index's size, so a worker killed mid-download leaves a temp file nothing reads; a lock
+    per shard makes a rank's workers fetch it once between them. `remove(ranks)` deletes the
+    ranks' folders (the data source's teardown, at the end of the run).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def folder(self, rank: int) -> Path:
+        return self.root / f"rank{rank}"
+
+    def local_copy(self, url: str, entry: dict[str, Any], rank: int) -> Path:
+        """The local path of the shard at `url` (`entry`: its index entry), fetched unless
+        this rank has it already."""
+        remote = url.rsplit("/", 1)[0]
+        digest = hashlib.sha256(remote.encode()).hexdigest()[:12]
+        target = self.folder(rank) / f"{remote.rsplit('/', 1)[-1]}-{digest}" / entry["file"]
+        if not _complete(target, entry["bytes"]):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(target.parent / f".{target.name}.lock"):
+                if not _complete(target, entry["bytes"]):  # another worker may have fetched it
+                    self._download(url, target, entry["bytes"])
+        return target
+
+    def _download(self, url: str, target: Path, size: int) -> None:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            self.fetch(url, tmp)
+            if os.path.getsize(tmp) != size:
+                raise UserError(
+                    f"shard {url} arrived with {os.path.getsize(tmp)} bytes, the index says "
+                    f"{size}: the folder changed while it was read; write it again with {PREPARE}"
+                )
+            os.replace(tmp, target)  # atomic: the name appears only once the copy is whole
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def fetch(self, url: str, local: str) -> None:
+        """Download `url` to the local file `local` (one fetch of a shard)."""
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.get_file(path, local)
+
+    def remove(self, ranks: Iterable[int]) -> None:
+        """Delete the copies of `ranks`; the root too once no rank's folder is left in it."""
+        for rank in ranks:
+            shutil.rmtree(self.folder(rank), ignore_errors=True)
+        with contextlib.suppress(OSError):  # other ranks' folders still there: theirs to remove
+            self.root.rmdir()
+
+
+def _complete(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`, released by the OS also when its holder is killed."""
+    with open(path, "a") as f:
+        # A filesystem without locks (Lustre mounted without `flock`) only costs duplicate
+        # fetches: each copy is still renamed into place whole.
+        with contextlib.suppress(OSError):
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def load_shard(
+    folder: str, entry: dict[str, Any], cache: ShardCache | None = None, rank: int = 0
+) -> np.ndarray:
+    """One shard's array, memory-mapped; a remote shard (a URL) is first copied into `cache`
+    (rank `rank`'s folder)."""
     url = f"{folder}/{entry['file']}"
-    path = fsspec.open_local(f"simplecache::{url}") if "://" in folder else url
+    if "://" in folder and cache is None:
+        raise ValueError(f"shard {url} is remote: pass a ShardCache to copy it into")
+    path = cache.local_copy(url, entry, rank) if "://" in folder else url
     try:
         return np.load(path, mmap_mode="r")
     except (OSError, ValueError) as err:

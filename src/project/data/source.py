@@ -3,8 +3,14 @@
 A source builds map-style `torch.utils.data.Dataset`s (or `project.data.stream.ShardedStream`s
 for data in shards) for the splits "train", "val" and "test". `prepare()` runs once per node
 before any rank reads (local rank 0: download, decode, write a cache); `dataset(split)` runs on
-every rank and should be cheap (read the cache, memory-mapped where it can). Splits must
-depend on the config only (seeded), never on the rank or the process count.
+every rank and should be cheap (read the cache, memory-mapped where it can: `MappedArray`).
+Splits must depend on the config only (seeded), never on the rank or the process count.
+`teardown()` runs at the end of the run, in every rank, to remove what the run cached.
+
+A dataset is pickled to each DataLoader worker at every epoch's start (workers start from a
+fork server: project.engine.data.worker_start). Keep file paths in it, not file contents: an
+`np.memmap` pickles by value (its whole content, in and out of every worker), a torch tensor
+is moved into /dev/shm (docs/data.md has the pattern and the /dev/shm need).
 """
 
 from __future__ import annotations
@@ -30,6 +36,46 @@ class DataSource:
     def dataset(self, split: str) -> Dataset:
         """The dataset of `split` (one of SPLITS): map-style, or a ShardedStream."""
         raise NotImplementedError
+
+    def teardown(self) -> None:
+        """At the end of the run, in every rank: remove what the run cached (idempotent)."""
+
+
+class MappedArray:
+    """A read-only memory map of a `.npy` file (or, given `dtype`, of a raw binary file from
+    byte `offset`, `shape` elements) that pickles as where it is, not as its content.
+
+    A DataLoader worker gets its dataset pickled every epoch; an `np.memmap` in it would travel
+    whole (pickled by value). This one travels as its path and maps the file again on first
+    use in the worker: the pages come from the OS's cache, shared by every process.
+    """
+
+    _array: np.ndarray | None = None  # the open map; never pickled
+
+    def __init__(
+        self, path: str | Path, dtype: str | None = None, offset: int = 0,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
+        self.path, self.dtype, self.offset, self.shape = str(path), dtype, offset, shape
+
+    @property
+    def array(self) -> np.ndarray:
+        """The memory map, opened on first use (again after unpickling)."""
+        if self._array is None:
+            if self.dtype is None:
+                self._array = np.load(self.path, mmap_mode="r")
+            else:
+                self._array = np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
+        return self._array
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in vars(self).items() if k != "_array"}
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        return self.array[index]
 
 
 def split_indices(

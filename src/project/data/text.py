@@ -13,6 +13,7 @@ val/test text was seen in training.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,19 +41,66 @@ def read_corpus(path: str | None) -> bytes:
         ) from None
 
 
-class Windows(Dataset):
-    """Non-overlapping windows of `block_size + 1` tokens: (input, input shifted by one)."""
+def file_holds(path: Path, corpus: bytes) -> bool:
+    """Whether the file's bytes are `corpus`: reading a file as text turns its \\r\\n and \\r
+    line ends into \\n, and the tokens are what was read."""
+    return path.stat().st_size == len(corpus) and path.read_bytes() == corpus
 
-    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
-        self.tokens, self.block_size = torch.from_numpy(tokens.astype(np.int64)), block_size
+
+class Windows(Dataset):
+    """Non-overlapping windows of `block_size + 1` tokens: (input, input shifted by one).
+
+    `tokens` is any sliceable sequence of token ids (an array, a memory map, a CorpusSlice),
+    kept as it is stored: a window becomes int64 when it is read, so the dataset holds (and
+    pickles to each DataLoader worker) one byte a token, not eight."""
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray, block_size: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.block_size)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.block_size
-        chunk = self.tokens[start : start + self.block_size + 1]
+        window = self.tokens[start : start + self.block_size + 1]
+        chunk = torch.from_numpy(np.array(window, dtype=np.int64))
         return chunk[:-1], chunk[1:]
+
+
+class CorpusSlice:
+    """Tokens [start, stop) of a corpus that pickle as where they come from, not as tokens.
+
+    A DataLoader worker gets its dataset pickled every epoch. This slice travels as (path,
+    start, stop) and the worker reads the tokens itself on first use: memory-mapped from the
+    file when the file's bytes are the tokens (`mapped`), else by reading the corpus again
+    (Python's pydoc topics: ~6 ms; a file whose newlines reading as text changes)."""
+
+    _tokens: np.ndarray | None = None  # never pickled
+
+    def __init__(
+        self, path: str | None, start: int, stop: int, mapped: bool,
+        tokens: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        self.path, self.start, self.stop, self.mapped = path, start, stop, mapped
+        self._tokens = tokens  # the rank's own copy: no second read in the rank
+
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            if self.mapped:
+                self._tokens = np.memmap(self.path, np.uint8, "r", self.start, (len(self),))
+            else:
+                corpus = np.frombuffer(read_corpus(self.path), dtype=np.uint8)
+                self._tokens = corpus[self.start : self.stop]
+        return self._tokens
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in vars(self).items() if k != "_tokens"}
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int | slice) -> np.ndarray:
+        return self.tokens()[index]
 
 
 class CharCorpus(DataSource):
@@ -72,20 +120,29 @@ class CharCorpus(DataSource):
                 f"data.dataset val_fraction={val_fraction} and test_fraction={test_fraction} "
                 "must be in (0, 1) and sum to less than 1"
             )
-        self.block_size, self.fractions = block_size, (val_fraction, test_fraction)
+        self.path, self.block_size = path, block_size
+        self.fractions = (val_fraction, test_fraction)
         # Read once, here: an unreadable corpus fails before any process starts.
-        self.tokens = np.frombuffer(read_corpus(path), dtype=np.uint8)
+        corpus = read_corpus(path)
+        self.tokens = np.frombuffer(corpus, dtype=np.uint8)
+        # DataLoader workers map the file itself when its bytes are the tokens.
+        self.mapped = path is not None and file_holds(Path(path), corpus)
+
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        """Each split's [start, stop) in the corpus's tokens."""
+        n = len(self.tokens)
+        n_val, n_test = (round(n * f) for f in self.fractions)
+        n_train = n - n_val - n_test
+        return {"train": (0, n_train), "val": (n_train, n_train + n_val),
+                "test": (n_train + n_val, n)}  # fmt: skip
 
     def splits(self) -> dict[str, np.ndarray]:
-        tokens = self.tokens
-        n_val, n_test = (round(len(tokens) * f) for f in self.fractions)
-        n_train = len(tokens) - n_val - n_test
-        bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val),
-                  "test": (n_train + n_val, len(tokens))}  # fmt: skip
-        return {s: tokens[a:b] for s, (a, b) in bounds.items()}
+        return {s: self.tokens[a:b] for s, (a, b) in self.bounds().items()}
 
     def dataset(self, split: str) -> Dataset:
-        windows = Windows(self.splits()[split], self.block_size)
+        start, stop = self.bounds()[split]
+        tokens = CorpusSlice(self.path, start, stop, self.mapped, self.tokens[start:stop])
+        windows = Windows(tokens, self.block_size)
         if len(windows) == 0:
             raise UserError(
                 f"the {split} split of the corpus is shorter than one window of "

@@ -11,7 +11,7 @@ starts is reported by number instead of waited on. Then: the rank table (host, r
 versions), every collective checked for its exact result, tensor-parallel x data-parallel
 sub-groups (`--tp`), all_reduce bandwidth and latency, and the environment and network of
 every host. Rank 0 prints the report and writes doctor.json into logs/doctor/runs/<run id>/.
-Exit code (project.engine.launch.exits): 0 all checks passed, 1 a check failed (the report
+Exit code (project.engine.distributed.exits): 0 all checks passed, 1 a check failed (the report
 says which), 2 bad input.
 
 The package: args (the command line), host (what each rank knows about itself), rendezvous,

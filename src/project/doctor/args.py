@@ -6,7 +6,7 @@ import argparse
 from typing import NoReturn
 
 from project.engine.config.compose import ROOT_DIR
-from project.engine.launch.exits import fail
+from project.engine.distributed.exits import fail
 
 DESCRIPTION = "check the distributed set-up before a job spends hours on it"
 

@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from project.engine.launch.exits import EXIT_FAILED, fail
+from project.engine.distributed.exits import EXIT_FAILED, fail
 
 CAUSES = (
     "that node was not started (or crashed before the rendezvous)",

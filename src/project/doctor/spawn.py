@@ -10,9 +10,9 @@ import sys
 import time
 
 from project.doctor.host import interfaces
+from project.engine.distributed.exits import EXIT_BAD_INPUT, EXIT_FAILED, fail
 from project.engine.launch import env as launcher_env
 from project.engine.launch.env import run_id
-from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_FAILED, fail
 
 
 def slurm_env(env: dict[str, str]) -> dict[str, str]:
@@ -47,14 +47,9 @@ def is_local(addr: str) -> bool:
     return resolved.startswith("127.") or resolved in mine
 
 
-def spawn(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start this node's ranks (our own rendezvous) and wait for them, bounded."""
-    import torch
-
-    nproc = args.nproc or max(1, torch.cuda.device_count())
-    world = nproc * args.nnodes
-    if world % args.tp:
-        fail(f"--tp {args.tp} does not divide the world size {world} ({args.nnodes} x {nproc})")
+def rendezvous_port(args: argparse.Namespace) -> int:
+    """--master-port, else a free one (one node) or 29510 (every node must name the same).
+    A port already taken on node 0 is refused in one line, before any rank starts."""
     port = args.master_port
     if port is None:
         port = free_port() if args.nnodes == 1 else 29510
@@ -63,24 +58,13 @@ def spawn(args: argparse.Namespace, argv: list[str]) -> int:
             f"--master-port {port} is already in use on {socket.gethostname()} (another job, or "
             "a process left from an earlier one): pick another port"
         )
-    base = {
-        **os.environ,
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_RANK": str(args.node_rank),
-        "MASTER_ADDR": args.master_addr,
-        "MASTER_PORT": str(port),
-        "RUN_ID": os.environ.get("RUN_ID") or run_id(),
-    }
-    base.setdefault("OMP_NUM_THREADS", "1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "project.doctor", *argv],
-            env={**base, "RANK": str(args.node_rank * nproc + i), "LOCAL_RANK": str(i)},
-        )
-        for i in range(nproc)
-    ]
-    deadline = time.monotonic() + 3 * args.timeout + 120
+    return port
+
+
+def wait_bounded(procs: list[subprocess.Popen[bytes]], seconds: float) -> list[int]:
+    """The ranks' exit codes, waiting at most `seconds` for all of them: a rank still running
+    then is killed (and the list gets a failure code)."""
+    deadline = time.monotonic() + seconds
     codes = []
     try:
         for proc in procs:
@@ -93,6 +77,35 @@ def spawn(args: argparse.Namespace, argv: list[str]) -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return codes
+
+
+def spawn(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start this node's ranks (our own rendezvous) and wait for them, bounded."""
+    import torch
+
+    nproc = args.nproc or max(1, torch.cuda.device_count())
+    world = nproc * args.nnodes
+    if world % args.tp:
+        fail(f"--tp {args.tp} does not divide the world size {world} ({args.nnodes} x {nproc})")
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(args.node_rank),
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(rendezvous_port(args)),
+        "RUN_ID": os.environ.get("RUN_ID") or run_id(),
+    }
+    base.setdefault("OMP_NUM_THREADS", "1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "project.doctor", *argv],
+            env={**base, "RANK": str(args.node_rank * nproc + i), "LOCAL_RANK": str(i)},
+        )
+        for i in range(nproc)
+    ]
+    codes = wait_bounded(procs, 3 * args.timeout + 120)
     return EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else int(any(codes))
 
 

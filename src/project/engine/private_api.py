@@ -13,6 +13,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+POWERSGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
+# The PowerSGDState slots the template reads or sets by name (it saves all of them).
+POWERSGD_SLOTS = (
+    "process_group", "iter", "start_powerSGD_iter", "matrix_approximation_rank",
+    "min_compression_rate", "rng", "error_dict", "p_memory_dict", "q_memory_dict",
+)  # fmt: skip
 # (module, dotted attribute) of every private name the template uses.
 USED = (
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor"),
@@ -45,6 +51,25 @@ USED = (
         "hydra._internal.config_loader_impl",
         "ConfigLoaderImpl._parse_overrides_and_create_caching_repo",
     ),
+    # Lightning's fit-loop progress counters: where a resumed epoch starts and what a
+    # checkpoint records of it (engine/lightning/datamodule.py, engine/lightning/callbacks.py).
+    ("lightning.pytorch.loops.fit_loop", "_FitLoop.epoch_loop"),
+    ("lightning.pytorch.loops.fit_loop", "_FitLoop.epoch_progress"),
+    ("lightning.pytorch.loops.loop", "_Loop.restarting"),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop.batch_progress"),
+    ("lightning.pytorch.loops.progress", "_Progress.current"),
+    ("lightning.pytorch.loops.progress", "_Progress.total"),
+    ("lightning.pytorch.loops.progress", "_ProcessedTracker.ready"),
+    ("lightning.pytorch.loops.progress", "_ProcessedTracker.started"),
+    ("lightning.pytorch.loops.progress", "_ProcessedTracker.processed"),
+    ("lightning.pytorch.loops.progress", "_ProcessedTracker.completed"),
+    # PowerSGD as the template's comm hook drives it (engine/distributed/comm_hooks.py): which
+    # tensors it compresses, and the state it keys by bucket, which the hook moves when DDP
+    # regroups and saves per rank. How powerSGD_hook groups P and Q by shape has no name to
+    # list: a test checks BucketLayouts.slices against a real call (tests/test_comm_hooks.py).
+    (POWERSGD, "_should_compress"),
+    (POWERSGD, "PowerSGDState.__slots__"),
+    *((POWERSGD, f"PowerSGDState.__slots__.{slot}") for slot in POWERSGD_SLOTS),
 )
 
 
@@ -196,9 +221,23 @@ def one_repository_help() -> bool:
     return True
 
 
+def powersgd_compresses(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether torch's powerSGD_hook compresses a `rows` x `cols` gradient at this rank (else
+    it all-reduces it as it is): the template lays out the P and Q of a bucket as it does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    return bool(_should_compress(rows, cols, rank, min_compression_rate)[0])
+
+
+def powersgd_slots(state: Any) -> tuple[str, ...]:
+    """Every attribute of a PowerSGDState (it has no state_dict of its own: a checkpoint
+    carries these)."""
+    return tuple(type(state).__slots__)
+
+
 def set_collective_timeout(timeout: Any) -> None:
     """The default process group's timeout (a timedelta) for the collectives issued from now
-    on: torch has no public call for it after init_process_group (project.engine.launch.ddp
+    on: torch has no public call for it after init_process_group (project.engine.distributed.ddp
     switches between a long and a short one)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 

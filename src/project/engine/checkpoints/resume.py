@@ -14,15 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from project.engine.checkpoints import LAST_CKPT
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.errors import UserError
 
 # What a run trains: a checkpoint is only resumed by a config that agrees on these (dotted
 # prefixes). Where the data lives and how it is loaded may change between attempts.
 IDENTITY = ("seed", "model", "data")
-NOT_IDENTITY = ("model.compile", "data.dataset.data_dir", "data.num_workers", "data.pin_memory",
-                "data.persistent_workers")  # fmt: skip
+NOT_IDENTITY = ("model.compile", "data.dataset.data_dir", "data.dataset.cache_dir",
+                "data.num_workers", "data.pin_memory", "data.persistent_workers")  # fmt: skip
 ARCHITECTURE = ("model.net", "model.task")  # what must match for the weights to load at all
 
 
@@ -91,19 +90,6 @@ def checkpoint_dir(cfg: Mapping[str, Any], output_dir: Path) -> Path:
     """The run's checkpoint folder: callbacks.model_checkpoint.dirpath, else <run>/checkpoints."""
     ckpt = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
     return Path(ckpt.get("dirpath") or output_dir / "checkpoints")
-
-
-def last_checkpoint(
-    cfg: Mapping[str, Any], output_dir: Path, name: str | None = None
-) -> Path | None:
-    """Where `callbacks.fault_tolerance` keeps the run's last checkpoint (None: that callback
-    is off), read from the config alone so that a run can be checked before anything heavy
-    is imported or built. `name` replaces the configured file name (the raw trainer's)."""
-    ft = (cfg.get("callbacks") or {}).get("fault_tolerance")
-    if not ft:
-        return None
-    folder = Path(ft.get("dirpath") or checkpoint_dir(cfg, output_dir))
-    return folder / (name or ft.get("filename") or LAST_CKPT)
 
 
 @dataclass

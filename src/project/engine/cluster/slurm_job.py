@@ -29,11 +29,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from project.engine.config.compose import ROOT_DIR
+from project.engine.distributed.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.errors import UserError
 from project.engine.launch.env import slurm_rendezvous
-from project.engine.launch.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
-log = logging.getLogger("project.engine.cluster.slurm_job")
+log = logging.getLogger(__name__)
 
 
 def active(env: Mapping[str, str] = os.environ) -> bool:
@@ -44,7 +44,7 @@ def active(env: Mapping[str, str] = os.environ) -> bool:
 def processes_per_node(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> int:
     """`trainer.devices` when it is a number, else the node's GPUs, else 1 (as slurm.sbatch)."""
     # Read as ddp reads it; imported here: entry points import this module before torch.
-    from project.engine.launch.ddp import _explicit_int
+    from project.engine.distributed.ddp import _explicit_int
 
     devices = _explicit_int(trainer_cfg.get("devices", "auto"), "trainer.devices")
     if devices not in (None, -1):  # -1: every GPU, as auto
@@ -60,7 +60,7 @@ def node_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> di
             f"hydra.launcher.tasks_per_node={env['SLURM_NTASKS_PER_NODE']}: keep 1, torchrun "
             "starts trainer.devices processes on each node"
         )
-    from project.engine.launch.ddp import _explicit_int
+    from project.engine.distributed.ddp import _explicit_int
 
     nodes = int(env["SLURM_NNODES"])
     asked = _explicit_int(trainer_cfg.get("num_nodes", "auto"), "trainer.num_nodes")

@@ -55,7 +55,7 @@ from project.engine.data.samplers import (
 )
 from project.engine.errors import UserError
 
-log = logging.getLogger("project.engine.data.sharding")
+log = logging.getLogger(__name__)
 OURS = (ResumableSampler, EvalShardSampler, ShardedDraws)
 
 

@@ -19,7 +19,7 @@ TRAINERS = {
     "raw": "project.raw_train",  # feature:raw
 }
 
-log = logging.getLogger("project.engine.launch.torchrun")
+log = logging.getLogger(__name__)
 
 
 def command(target: Sequence[str], nproc: int = 1) -> list[str]:

@@ -15,22 +15,18 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from project.engine.checkpoints.run import FaultTolerance
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
+from project.engine.distributed import ddp
+from project.engine.distributed.exits import Preempted
 from project.engine.errors import UserError
-from project.engine.launch import ddp
-from project.engine.launch.exits import Preempted
-from project.engine.lightning.callbacks import (
-    DataPosition,
-    FaultInjection,
-    FaultTolerance,
-    StepStatsCallback,
-)
+from project.engine.lightning.callbacks import FaultInjection, RunState, StepStatsCallback
 from project.engine.private_api import kill_launched_ranks
 from project.engine.run.console import quiet_lightning
 from project.engine.run.skeleton import Run
 
-log = logging.getLogger("project.train")
+log = logging.getLogger(__name__)
 
 
 def instantiate_all(group: DictConfig | None) -> list[Any]:
@@ -46,10 +42,10 @@ def strategy(run: Run) -> Any:
 
 def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
     """The `callbacks` group, fitted to the run: what the trainer flags switch off is left out,
-    fault tolerance knows what this run trains, the data position is always recorded, the
-    optional recorders are added."""
+    the run's checkpoint state is always kept (RunState, following callbacks.fault_tolerance,
+    which is its settings, not a callback), the optional recorders are added."""
     cfg, found = run.cfg, instantiate_all(run.cfg.get("callbacks"))
-    left_out = []
+    left_out: list[type] = [FaultTolerance]
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
         left_out.append(pl.callbacks.LearningRateMonitor)
     if cfg.trainer.get("enable_progress_bar") is False:  # the flag every Lightning user knows
@@ -57,11 +53,8 @@ def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
     if cfg.trainer.get("enable_model_summary") is False:
         left_out.append(pl.callbacks.ModelSummary)
     found = [c for c in found if not isinstance(c, tuple(left_out))]
-    fault_tolerance = next((c for c in found if isinstance(c, FaultTolerance)), None)
-    check_one_last_checkpoint(found, fault_tolerance)
-    if fault_tolerance is not None:
-        fault_tolerance.identity = run.identity
-    found.append(DataPosition(cfg, run.command))
+    check_one_last_checkpoint(found)
+    found.append(RunState(run.checkpoints))
     if cfg.get("step_stats"):
         found.append(StepStatsCallback(str(run.output_dir)))
     if (cfg.get("fault_injection") or {}).get("at_step") is not None:
@@ -85,15 +78,15 @@ def profiler(cfg: DictConfig) -> Any:
     return cfg.trainer.get("profiler") or NoProfiler()
 
 
-def check_one_last_checkpoint(callbacks: list[Any], fault_tolerance: Any) -> None:
-    """A ModelCheckpoint with save_last next to FaultTolerance would write a second last.ckpt
-    into the same folder (Lightning then versions it: last-v1.ckpt, and auto-resume would
-    read a stale one)."""
+def check_one_last_checkpoint(callbacks: list[Any]) -> None:
+    """A ModelCheckpoint with save_last would write a second last.ckpt beside the run's own
+    (RunState's: Lightning then versions it, last-v1.ckpt, and auto-resume would read a stale
+    one)."""
     for cb in callbacks:
-        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.save_last and fault_tolerance:
+        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.save_last:
             raise UserError(
                 "callbacks.model_checkpoint.save_last=true writes a second last.ckpt beside "
-                "the one callbacks.fault_tolerance writes every epoch: leave it false"
+                "the run's own (callbacks.fault_tolerance sets when it is written): leave it false"
             )
 
 
@@ -114,13 +107,14 @@ def best_checkpoint(trainer: pl.Trainer, run: Run) -> Any:
 
 @contextlib.contextmanager
 def stops_as_preempted(trainer: pl.Trainer, run: Run) -> Iterator[None]:
-    """Lightning's SIGTERMException (raised by FaultTolerance once every rank agreed to stop)
+    """Lightning's SIGTERMException (raised by RunState once every rank agreed to stop)
     becomes the skeleton's Preempted; on any other failure the ranks Lightning's own launcher
     started are killed, so no rank is left behind (e.g. one hung while rank 0 timed out)."""
     try:
         yield
     except SIGTERMException:
-        raise Preempted(trainer.global_step, run.last) from None
+        saved = None if trainer.fast_dev_run else run.checkpoints.last  # RunState.save
+        raise Preempted(trainer.global_step, saved) from None
     except BaseException:
         kill_launched_ranks(trainer, signal.SIGKILL)
         raise

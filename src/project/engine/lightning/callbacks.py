@@ -1,6 +1,6 @@
 """The template's own Lightning extensions (the rest come from Lightning, see configs/callbacks):
-the data position (always on), fault tolerance (last.ckpt, coordinated stop, exact resume),
-atomic checkpoint writes, per-step statistics and fault injection."""
+the run's checkpoint state (always on: last.ckpt, coordinated stop, exact resume, the data
+position), atomic checkpoint writes, per-step statistics and fault injection."""
 
 from __future__ import annotations
 
@@ -13,71 +13,72 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.checkpoints import LAST_CKPT
-from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
-from project.engine.data import elastic, sharding
-from project.engine.launch import comm_hooks, faults
-from project.engine.launch.ddp import CollectiveTimeout
-from project.engine.launch.signals import StopSignal
+from project.engine.checkpoints.run import RunCheckpoints
+from project.engine.checkpoints.state import atomic_save
+from project.engine.data import sharding
+from project.engine.distributed import comm_hooks, faults
+from project.engine.distributed.ddp import CollectiveTimeout
 from project.engine.lightning.datamodule import batches_done, fit_epoch
 from project.engine.private_api import skip_sigterm_broadcast
 from project.engine.shared.step_stats import StepStats
 
-log = logging.getLogger("project.engine.lightning.callbacks")
+log = logging.getLogger(__name__)
 
 
-class FaultTolerance(pl.Callback):
-    """Owns `last.ckpt`: written at every epoch end, every N steps, every T seconds, on a stop
-    signal and when training ends; coordinated stop on SIGTERM/SIGUSR1/SIGINT; exact resume.
+class RunState(pl.Callback):
+    """The run's checkpoint owner (project.engine.checkpoints.run) inside Lightning; always on
+    (train.py adds it, whatever the callbacks config). It writes the template's entries into
+    every checkpoint (ModelCheckpoint's too), owns `last.ckpt` and the coordinated stop, and
+    restores what a resumed run continues with.
 
     - At the start of every accumulation window, every few windows, all ranks all-reduce
       (signal received?, time-based checkpoint due?), so they stop or save after the same
-      optimizer step (project.engine.launch.signals). This replaces Lightning's per-step
+      optimizer step (project.engine.distributed.signals). This replaces Lightning's per-step
       blocking broadcast and its signal handler.
     - On a stop: save `last.ckpt`, then Lightning's own shutdown (SIGTERMException); the run
-      skeleton exits with EXIT_PREEMPTED (project.engine.launch.exits).
-    - The end-of-epoch checkpoint is written before the first batch of the next epoch (a
-      mid-epoch checkpoint with nothing of that epoch done: the restart point Lightning
-      resumes exactly), and the last one when training ends, marked finished. Lightning's
-      ModelCheckpoint(save_last=True) is not used for this: it refreshes last.ckpt only
-      when the monitored metric improves, and writes last-v1.ckpt when a last.ckpt exists.
-    - Exact resume: the RNG states travel in the checkpoint; the train loader starts where
-      a mid-epoch checkpoint's epoch stood (DataPosition, on any world size).
+      skeleton exits with EXIT_PREEMPTED (project.engine.distributed.exits).
+    - With fault tolerance on, the end-of-epoch checkpoint is written before the first batch
+      of the next epoch (a mid-epoch checkpoint with nothing of that epoch done: the restart
+      point Lightning resumes exactly), and the last one when training ends, marked
+      finished. Lightning's ModelCheckpoint(save_last=True) is not used for this: it
+      refreshes last.ckpt only when the monitored metric improves, and writes last-v1.ckpt
+      when a last.ckpt exists.
+    - Exact resume: the RNG states travel in the checkpoint; the train loader starts where a
+      mid-epoch checkpoint's epoch stood, on any world size (datamodule.start_where_fit_resumes);
+      every epoch reaches the loaders' orders (Lightning sets the epoch on samplers only, not
+      on an iterable dataset such as a ShardedStream, nor the workers' seeds).
     """
 
-    def __init__(self, dirpath: str, filename: str = LAST_CKPT, **cadences: Any) -> None:
-        # cadences: check_every_n_steps, stop_budget_s, every_n_train_steps, every_n_seconds,
-        # set in configs/callbacks/fault_tolerance.yaml (project.engine.launch.signals)
-        self.path = Path(dirpath) / filename
-        self.stop = StopSignal.from_config(cadences)
-        self.identity: dict[str, Any] = {}  # set by train.py: what this run trains
-        self.finished = False
-        self.metrics: dict[str, float] = {}
-        self._rng_to_restore: dict[str, Any] | None = None
+    def __init__(self, checkpoints: RunCheckpoints) -> None:
+        self.checkpoints = checkpoints
+        self.stop = checkpoints.stop_signal()
+        self._resumed: dict[str, Any] | None = None  # the checkpoint fit resumes from
         self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
 
     # --- state in the checkpoint ---
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": rng_state()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._rng_to_restore = state_dict.get("rng")
-
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint["project"] = project_state(self.identity, self.finished, self.metrics)
+        done = batches_done(trainer.fit_loop.epoch_loop.batch_progress)
+        checkpoint.update(self.checkpoints.entries(
+            trainer.train_dataloader, fit_epoch(trainer), done, trainer.world_size,
+            trainer.accumulate_grad_batches,
+        ))  # fmt: skip
         # Every save (this callback's, ModelCheckpoint's every_n_train_steps): the other ranks
         # wait while rank 0 writes.
         self.timeouts.outside_steps()
 
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._resumed = checkpoint  # restored at train start, after Lightning's own seeding
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._rng_to_restore is not None:  # resuming: continue the interrupted RNG streams
-            set_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
-            resumed, device = Path(trainer.ckpt_path), trainer.strategy.root_device
-            step, hook = trainer.global_step, comm_hook(trainer)  # PowerSGD's per-rank state
-            comm_hooks.load_state(hook, resumed, step, device, required=resumed == self.path)
+        if self._resumed is not None:  # continue the interrupted RNG streams
+            self.checkpoints.restore_rng(self._resumed)
+            self._resumed = None
+            step, device = trainer.global_step, trainer.strategy.root_device
+            self.checkpoints.load_hook(comm_hook(trainer), Path(trainer.ckpt_path), step, device)
         strategy = trainer.strategy  # the template's DDPStrategy, or one process ("auto")
         step_s, long = getattr(strategy, "step_timeout_s", None), getattr(strategy, "timeout", None)
         self.timeouts = CollectiveTimeout(step_s, long, trainer.world_size)
@@ -88,6 +89,10 @@ class FaultTolerance(pl.Callback):
         if not skip_sigterm_broadcast(trainer):  # the check below does its job every few steps
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before each later epoch's iterator is made (the first: datamodule.py).
+        sharding.set_epoch(trainer.train_dataloader, fit_epoch(trainer))
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -95,8 +100,8 @@ class FaultTolerance(pl.Callback):
             return  # inside an accumulation window: partial gradients are not checkpointed
         self.timeouts.in_steps()
         stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
-        epoch_end = batch_idx == 0 and trainer.global_step != self.stop.saved_step
-        if save or stop or epoch_end:
+        epoch_end = self.checkpoints.periodic and batch_idx == 0
+        if save or stop or (epoch_end and trainer.global_step != self.stop.saved_step):
             self.save(trainer)
         if stop:
             raise SIGTERMException()
@@ -106,12 +111,12 @@ class FaultTolerance(pl.Callback):
         if trainer.fast_dev_run:
             return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
         self.timeouts.outside_steps()  # the others wait while rank 0 writes
-        began = time.monotonic()
-        comm_hooks.save_state(comm_hook(trainer), self.path, trainer.global_step)  # every rank
-        trainer.save_checkpoint(self.path, weights_only=False)  # full state: a resume point
-        comm_hooks.prune_state(comm_hook(trainer), self.path, trainer.global_step)
+        began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)
+        self.checkpoints.save_hook(hook, trainer.global_step)  # every rank its own file
+        trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
+        self.checkpoints.prune_hook(hook, trainer.global_step)
         self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
-        log.info(f"Saved {self.path} at step {trainer.global_step}")
+        log.info(f"Saved {path} at step {trainer.global_step}")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.timeouts.outside_steps()  # and ModelCheckpoint's saves after it
@@ -122,36 +127,12 @@ class FaultTolerance(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stop.restore()
         self.timeouts.outside_steps()
-        self.finished = True
-        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        self.save(trainer)
+        self.checkpoints.finish(trainer.callback_metrics)
+        if self.checkpoints.saves_at_end():
+            self.save(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self.stop.restore()
-
-
-class DataPosition(pl.Callback):
-    """Owns where the train loaders' epoch stands, whatever the callbacks config (train.py
-    always adds it): every checkpoint records it (project.engine.data.elastic), a resume
-    starts there on any world size (datamodule.start_where_fit_resumes), and every epoch
-    reaches the loaders' orders. Lightning sets the epoch on samplers only, not on an
-    iterable dataset (a ShardedStream), nor the workers' seeds."""
-
-    def __init__(self, cfg: Any, command: dict[str, Any]) -> None:
-        self.cfg, self.command = cfg, command  # command: the batch keys as given
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Before each later epoch's iterator is made (the first: datamodule.py).
-        sharding.set_epoch(trainer.train_dataloader, fit_epoch(trainer))
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        done = batches_done(trainer.fit_loop.epoch_loop.batch_progress)
-        checkpoint[elastic.KEY] = elastic.record(
-            trainer.train_dataloader, fit_epoch(trainer), done, trainer.world_size,
-            trainer.accumulate_grad_batches, self.cfg, self.command,
-        )  # fmt: skip
 
 
 def comm_hook(trainer: pl.Trainer) -> comm_hooks.CommHook | None:

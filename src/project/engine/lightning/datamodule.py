@@ -22,7 +22,7 @@ from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
 
-log = logging.getLogger("project.engine.lightning.datamodule")
+log = logging.getLogger(__name__)
 
 
 class DataModule(pl.LightningDataModule):
@@ -49,6 +49,9 @@ class DataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.sets = {split: self.source.dataset(split) for split in SPLITS}
+
+    def teardown(self, stage: str | None = None) -> None:
+        self.source.teardown()  # e.g. a remote stream's shard cache
 
     def _loader(self, stage: str) -> DataLoader:
         h = self.hparams

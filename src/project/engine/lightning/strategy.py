@@ -1,13 +1,13 @@
 """Lightning's DDPStrategy with the template's two additions (`_target_` of configs/strategy/):
 
-- `comm_hook`: a gradient-communication hook (project.engine.launch.comm_hooks) registered on
+- `comm_hook`: a gradient-communication hook (project.engine.distributed.comm_hooks) registered on
   every device; Lightning's own `ddp_comm_hook` is registered on CUDA only.
 - `step_timeout_s`: the collective timeout inside training steps after the first one
-  (project.engine.launch.ddp.CollectiveTimeout; `timeout` stays the one before and outside
+  (project.engine.distributed.ddp.CollectiveTimeout; `timeout` stays the one before and outside
   them).
 - DDP errors about parameters that got no gradient keep torch's parameter indices (Lightning
   replaces the whole message), so the run skeleton can name the parameters
-  (project.engine.launch.ddp.unused_parameters_reported).
+  (project.engine.distributed.ddp.unused_parameters_reported).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
-from project.engine.launch import ddp
-from project.engine.launch.comm_hooks import CommHook
+from project.engine.distributed import ddp
+from project.engine.distributed.comm_hooks import CommHook
 
 
 class DDPStrategy(LightningDDPStrategy):

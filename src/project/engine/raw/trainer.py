@@ -9,7 +9,7 @@ Lightning's. What had to match for that is marked "parity:".
 |----------------------------------------------------|--------------------------------------|
 | Trainer(devices, num_nodes), DDPStrategy options   | `setup_distributed`, `wrap_model`     |
 | DDP comm hooks (the template's strategy.comm_hook) | `wrap_model`, `save_last`, `load`     |
-| seed_everything, deterministic, benchmark          | `seed_everything`, `__init__`         |
+| seed_everything, deterministic, benchmark          | `__init__` (raw/rng.py)               |
 | LightningDataModule prepare_data/setup, sampler    | `setup_data` (prepare once per node)  |
 | LightningModule.training_step under DDP            | `Step.forward` -> `task.step`         |
 | accumulate_grad_batches (no_sync inside a window)  | `train_epoch`, `backward`             |
@@ -18,8 +18,9 @@ Lightning's. What had to match for that is marked "parity:".
 | num_sanity_val_steps, validation, test loops       | `sanity_check`, `evaluate`            |
 | self.log of torchmetrics (synced at epoch end)     | `compute`, `log_scalar`               |
 | limit_*_batches, fast_dev_run                      | `n_batches`                           |
-| ModelCheckpoint (best), EarlyStopping              | `save_best`, `EarlyStopping`          |
-| FaultTolerance: last checkpoint, stop on a signal  | `save_last`, `check_stop`, `load`     |
+| ModelCheckpoint (best), EarlyStopping              | `save_best`, raw/early_stopping.py    |
+| RunState: last checkpoint, stop on a signal        | `save_last`, `check_stop`, `load`     |
+| (paths, what a checkpoint carries: both trainers)  | engine/checkpoints/run.py             |
 | TensorBoardLogger, LearningRateMonitor             | `log_scalar`                          |
 """
 
@@ -27,42 +28,41 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 from project.data.source import SPLITS
-from project.engine.checkpoints import LAST_PT
-from project.engine.checkpoints.resume import checkpoint_dir, last_checkpoint
-from project.engine.checkpoints.state import atomic_save, project_state, rng_state, set_rng_state
+from project.engine.checkpoints.state import atomic_save
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
+from project.engine.distributed import ddp, faults
+from project.engine.distributed.ddp import CollectiveTimeout, Topology
+from project.engine.distributed.exits import Preempted, close_process_group
 from project.engine.errors import UserError
-from project.engine.launch import comm_hooks, ddp, env, faults
-from project.engine.launch.ddp import CollectiveTimeout
-from project.engine.launch.exits import Preempted, close_process_group
-from project.engine.launch.signals import StopSignal
+from project.engine.launch import env
+from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
+from project.engine.raw.rng import isolated_rng, seed_everything
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.engine.shared.step_stats import StepStats
 from project.engine.shared.throughput import Throughput
 from project.tasks.task import STAGES, build_task
 
-log = logging.getLogger("project.raw_train")
+if TYPE_CHECKING:
+    from project.engine.run.skeleton import Run
+
+log = logging.getLogger(__name__)
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -85,15 +85,12 @@ class RawTrainer:
     project.raw_train runs it inside the run skeleton both trainers share
     (project.engine.run.skeleton: checks, resume, the stop, metrics.json)."""
 
-    def __init__(
-        self, cfg: DictConfig, output_dir: Path, identity: dict[str, Any],
-        command: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
-        self.cfg, self.output_dir, t = cfg, output_dir, cfg.trainer
-        self.identity = identity  # what this run trains (its checkpoints say so)
-        self.command = command or {}  # the batch keys as given (engine.data.elastic)
+    def __init__(self, run: Run) -> None:
+        cfg, t = run.cfg, run.cfg.trainer
+        self.cfg, self.output_dir = cfg, run.output_dir
+        self.checkpoints = run.checkpoints  # paths and what every checkpoint carries
         check_config(cfg)
-        self.setup_distributed()
+        self.setup_distributed(run.topology)
         self.setup_data()
         # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
         # the task, so both trainers draw the same initial weights.
@@ -124,11 +121,11 @@ class RawTrainer:
         self.clip_by_value = t.get("gradient_clip_algorithm", "norm") == "value"
         self.log_every = int(t.log_every_n_steps)
         self.fault_injection = to_plain(cfg.get("fault_injection"))
-        self.setup_fault_tolerance()
+        self.stop = self.checkpoints.stop_signal()
         self.stats = StepStats() if cfg.get("step_stats") else None
         self.throughput = Throughput(self.world)
         has_logger = self.is_zero and cfg.get("logger")
-        self.writer = SummaryWriter(str(output_dir / "tensorboard")) if has_logger else None
+        self.writer = SummaryWriter(str(run.output_dir / "tensorboard")) if has_logger else None
         self.global_step = 0  # optimizer steps, like Lightning's trainer.global_step
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -138,10 +135,9 @@ class RawTrainer:
         self.resumed = False
 
     # --- set-up ------------------------------------------------------------------------------
-    def setup_distributed(self) -> None:
+    def setup_distributed(self, topology: Topology) -> None:
         """Process group from env:// (torchrun set MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
         t = self.cfg.trainer
-        topology = ddp.resolve_topology(t)
         if topology.world_size > 1 and topology.launcher is None:
             raise UserError(
                 f"the raw trainer does not start processes itself ({topology.world_size} "
@@ -173,7 +169,7 @@ class RawTrainer:
         """The data source prepared once per node (local rank 0), then every rank's loaders:
         plain loaders sharded by the same code as Lightning's (project.engine.data.sharding)."""
         d = self.cfg.data
-        source = build_source(d.dataset)
+        source = self.source = build_source(d.dataset)
         if self.local_rank == 0:
             source.prepare()
         self.barrier()
@@ -204,12 +200,6 @@ class RawTrainer:
         if self.comm_hook is not None:
             self.comm_hook.register(model)
         return model
-
-    def setup_fault_tolerance(self) -> None:
-        ft = self.fault_tolerance = to_plain(self.cfg.callbacks.get("fault_tolerance")) or {}
-        self.stop = StopSignal.from_config(ft)  # the YAML's cadences (its defaults when off)
-        self.finished = False  # set when fit ends normally: last.pt then says so
-        self.final_metrics: dict[str, float] = {}
 
     # --- small helpers -----------------------------------------------------------------------
     def barrier(self) -> None:
@@ -320,7 +310,7 @@ class RawTrainer:
         if save or stop:
             self.save_last()
         if stop:
-            raise Preempted(self.global_step, self.last_path())
+            raise Preempted(self.global_step, self.checkpoints.last)
 
     def train_epoch(self, epoch: int) -> None:
         """One epoch of optimizer steps; resumes after the batches a checkpoint had done."""
@@ -400,35 +390,28 @@ class RawTrainer:
                 if stop and epoch + 1 >= int(t.min_epochs or 0):
                     log.info(f"Early stopping after epoch {epoch}")
                     break
-                if self.fault_tolerance and epoch + 1 < max_epochs:
+                if self.checkpoints.periodic and epoch + 1 < max_epochs:
                     self.save_last()  # every epoch end (the last one is saved as finished)
         finally:
             self.stop.restore()
-        if self.fault_tolerance and not t.get("fast_dev_run"):
-            self.finished, self.final_metrics = True, dict(metrics)
+        self.checkpoints.finish(metrics)
+        if self.checkpoints.saves_at_end() and not t.get("fast_dev_run"):
             self.save_last()
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)
         return metrics
 
-    # --- checkpoints -------------------------------------------------------------------------
-    def checkpoint_dir(self) -> Path:
-        return checkpoint_dir(self.cfg, self.output_dir)
-
-    def last_path(self) -> Path:
-        last = last_checkpoint(self.cfg, self.output_dir, LAST_PT)
-        return last or self.checkpoint_dir() / LAST_PT  # a stop signal without fault_tolerance
-
+    # --- checkpoints (paths and the template's entries: project.engine.checkpoints.run) -----
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
         self.timeouts.outside_steps()  # the others wait while rank 0 writes
-        began, path = time.monotonic(), self.last_path()
-        comm_hooks.save_state(self.comm_hook, path, self.global_step)  # every rank its own
+        began, path = time.monotonic(), self.checkpoints.last
+        self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
         if self.is_zero:
             atomic_save(self.state_dict(), path)
             log.info(f"Saved {path} at step {self.global_step}")
         self.barrier()
-        comm_hooks.prune_state(self.comm_hook, path, self.global_step)
+        self.checkpoints.prune_hook(self.comm_hook, self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
 
     def save_best(self, metrics: dict[str, float]) -> None:
@@ -443,30 +426,24 @@ class RawTrainer:
         if improved:
             self.best = value
         if self.is_zero and ckpt_cfg and improved:
-            atomic_save(self.state_dict(), self.checkpoint_dir() / "best.pt")
+            atomic_save(self.state_dict(), self.checkpoints.best)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        accumulate = int(self.cfg.trainer.get("accumulate_grad_batches") or 1)
+        entries = self.checkpoints.entries(self.loaders["train"], self.epoch, self.batch_in_epoch,
+                                           self.world, accumulate)  # fmt: skip
+        return entries | {
             "model": self.task.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,  # the epoch to run (or continue)
             "batch_in_epoch": self.batch_in_epoch,  # its batches already trained on
-            elastic.KEY: self.data_position(),
             "global_step": self.global_step,
             "best": self.best,
             "early_stopping": {"best": self.early.best, "wait": self.early.wait},
-            "rng": rng_state(),
             "config": to_plain(self.cfg),
-            "project": project_state(self.identity, self.finished, self.final_metrics),
         }
-
-    def data_position(self) -> dict[str, Any]:
-        """Where the train loader's epoch stands, for any world size (engine.data.elastic)."""
-        accumulate = int(self.cfg.trainer.get("accumulate_grad_batches") or 1)
-        return elastic.record(self.loaders["train"], self.epoch, self.batch_in_epoch, self.world,
-                              accumulate, self.cfg, self.command)  # fmt: skip
 
     def load(self, path: str | Path, weights_only: bool = False) -> None:
         """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
@@ -484,13 +461,13 @@ class RawTrainer:
         self.position = elastic.Position.of(state.get(elastic.KEY))
         self.early.best = state["early_stopping"]["best"]
         self.early.wait = state["early_stopping"]["wait"]
-        set_rng_state(state["rng"])  # continue the interrupted random streams
-        required = Path(path) == self.last_path()  # PowerSGD's per-rank state, if it has one
-        comm_hooks.load_state(self.comm_hook, Path(path), self.global_step, self.device, required)
+        self.checkpoints.restore_rng(state)  # continue the interrupted random streams
+        self.checkpoints.load_hook(self.comm_hook, Path(path), self.global_step, self.device)
         self.resumed = True
         log.info(f"Resumed from {path}: epoch {self.epoch}, step {self.global_step}")
 
     def close(self) -> None:
+        self.source.teardown()  # e.g. a remote stream's shard cache (Lightning: at fit's end)
         if self.writer is not None:
             self.writer.close()
         if dist.is_initialized():
@@ -503,26 +480,6 @@ class RawTrainer:
             close_process_group()
 
 
-class EarlyStopping:
-    """Lightning's EarlyStopping rule: stop after `patience` checks without an improvement of
-    at least `min_delta` in `monitor`."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.best: float | None = None
-        self.wait = 0
-
-    def should_stop(self, metrics: dict[str, float]) -> bool:
-        if not self.cfg or self.cfg.monitor not in metrics:
-            return False
-        value, sign = metrics[self.cfg.monitor], (1 if self.cfg.mode == "min" else -1)
-        if self.best is None or sign * (value - self.best) < -abs(self.cfg.min_delta):
-            self.best, self.wait = value, 0
-        else:
-            self.wait += 1
-        return self.wait >= self.cfg.patience
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """Tensors of a (nested) tuple/list/dict batch moved to `device` (Lightning does the same)."""
     if isinstance(batch, torch.Tensor):
@@ -532,21 +489,3 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
-
-
-def seed_everything(seed: int) -> None:
-    """What lightning's seed_everything does: python, numpy and torch (all devices)."""
-    os.environ["PL_GLOBAL_SEED"] = str(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-@contextlib.contextmanager
-def isolated_rng() -> Iterator[None]:
-    """Restore the python, numpy and torch (CPU and CUDA) RNG states on exit."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)

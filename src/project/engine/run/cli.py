@@ -15,8 +15,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from project.engine import private_api
 from project.engine.config.compose import register_resolvers
+from project.engine.distributed.exits import fail, report_exit
 from project.engine.errors import UserError
-from project.engine.launch.exits import fail, report_exit
 from project.engine.run.console import quiet_hydra
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 METRICS_FILE = "metrics.json"  # a run's final metrics, written by global rank 0
 
-log = logging.getLogger("project")
+log = logging.getLogger(__name__)
 
 
 def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:

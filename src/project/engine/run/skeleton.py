@@ -26,24 +26,25 @@ from omegaconf import DictConfig
 from project.engine.config.compose import check_targets, to_plain
 from project.engine.config.schema import check_schema
 from project.engine.data.worker_start import configure_worker_start
+from project.engine.distributed.exits import EXIT_PREEMPTED, Preempted, close_process_group
 from project.engine.errors import UserError
 from project.engine.launch.env import is_rank_zero
-from project.engine.launch.exits import EXIT_PREEMPTED, Preempted, close_process_group
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
 
 if TYPE_CHECKING:
     from project.engine.checkpoints.resume import Resume
+    from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.data.elastic import Position
-    from project.engine.launch.ddp import Topology
+    from project.engine.distributed.ddp import Topology
 
-log = logging.getLogger("project.engine.run")
+log = logging.getLogger(__name__)
 
 TREE_ORDER = ("data", "model", "callbacks", "logger", "trainer", "strategy", "paths")
 
 
 @dataclass(frozen=True)
-class Trainer:
-    """What the skeleton needs to know about a trainer."""
+class EntryPoint:
+    """What the skeleton needs to know about a trainer's entry point (train.py, raw_train.py)."""
 
     name: str  # TRAINER= of the launch scripts: lightning | raw
     module: str  # its entry module: a sweep job with several processes relaunches it
@@ -60,9 +61,7 @@ class Run:
     output_dir: Path
     topology: Topology
     resume: Resume  # where training continues from (or the finished run it only tests)
-    last: Path | None  # where this run keeps its last checkpoint (None: fault tolerance off)
-    identity: dict  # what this run trains, as composed (before fit_world changes the batch)
-    command: dict = field(default_factory=dict)  # the batch keys as given (engine.data.elastic)
+    checkpoints: RunCheckpoints  # its checkpoints' paths and state (engine.checkpoints.run)
     position: Position | None = None  # where the resumed epoch stood (engine.data.elastic)
 
     @property
@@ -71,13 +70,15 @@ class Run:
         return bool(self.cfg.train) and not self.resume.finished
 
 
-def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[str, float]]) -> dict:
+def run(
+    cfg: DictConfig, entry: EntryPoint, fit_and_test: Callable[[Run], dict[str, float]]
+) -> dict:
     """Preflight, dispatch, then `fit_and_test`; returns the run's final metrics."""
     check_schema(cfg)  # types and ranges, before torch is imported: fails in about a second
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from project.engine.launch import ddp
+    from project.engine.distributed import ddp
 
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -86,24 +87,24 @@ def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[st
     from project.engine.cluster import slurm_job
 
     if sweep_job and slurm_job.active():  # hydra/launcher=submitit_slurm
-        check_targets(cfg, skip=trainer.skip_targets)
+        check_targets(cfg, skip=entry.skip_targets)
         slurm_job.run_on_every_node(
-            list(hydra_cfg.overrides.task), str(output_dir), cfg.trainer, trainer.name
+            list(hydra_cfg.overrides.task), str(output_dir), cfg.trainer, entry.name
         )
         return read_metrics(output_dir)
     # /feature:slurm
     topology = ddp.resolve_topology(cfg.trainer)  # before any heavy import: fail in seconds
     relaunched = sweep_job and topology.world_size > 1  # its own torchrun job trains it
     if not relaunched:  # the DataLoader workers' fork server, importing while preflight does
-        configure_worker_start(cfg.get("worker_start_method"), cfg.get("data"), trainer.module)
-    found = preflight(cfg, output_dir, topology, trainer)
+        configure_worker_start(cfg.get("worker_start_method"), cfg.get("data"), entry.module)
+    found = preflight(cfg, output_dir, topology, entry)
     if isinstance(found, dict):
         return found  # a finished run's results
     if relaunched:
-        relaunch(cfg, trainer, output_dir, topology, list(hydra_cfg.overrides.task))
+        relaunch(cfg, entry, output_dir, topology, list(hydra_cfg.overrides.task))
         return read_metrics(output_dir)
     fit_world(found)
-    prepare(found, trainer)
+    prepare(found, entry)
     metrics = fit_and_test_then_stop(found, fit_and_test)
     if is_rank_zero():
         write_metrics(output_dir, metrics)
@@ -111,20 +112,22 @@ def run(cfg: DictConfig, trainer: Trainer, fit_and_test: Callable[[Run], dict[st
 
 
 def preflight(
-    cfg: DictConfig, output_dir: Path, topology: Topology, trainer: Trainer
+    cfg: DictConfig, output_dir: Path, topology: Topology, entry: EntryPoint
 ) -> Run | dict[str, float]:
     """The run folder's last checkpoint and the targets, before anything is built: a bad
     checkpoint stops with one line, nothing written; a finished run returns its results."""
-    from project.engine.checkpoints.resume import find_resume, last_checkpoint, training_identity
+    from project.engine.checkpoints.resume import find_resume, training_identity
+    from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.data.elastic import asked
 
-    last = last_checkpoint(cfg, output_dir, trainer.last_name)
     plain = to_plain(cfg)
-    resume = find_resume(plain, last, kind=trainer.checkpoint_key)
+    checkpoints = RunCheckpoints(cfg, output_dir, entry.last_name, training_identity(plain),
+                                 asked(plain))  # fmt: skip
+    resume = find_resume(plain, checkpoints.last, kind=entry.checkpoint_key)
     if earlier := finished_results(resume, output_dir):
         return earlier
-    check_targets(cfg, skip=trainer.skip_targets)
-    return Run(cfg, output_dir, topology, resume, last, training_identity(plain), asked(plain))
+    check_targets(cfg, skip=entry.skip_targets)
+    return Run(cfg, output_dir, topology, resume, checkpoints)
 
 
 def fit_world(run: Run) -> None:
@@ -140,12 +143,12 @@ def fit_world(run: Run) -> None:
             f"{run.resume.path} records no data position (written before positions were): "
             "if it was saved in the middle of an epoch, that epoch restarts from its beginning"
         )
-    fit_global_batch(run.cfg, run.position, run.topology.world_size, run.command)
+    fit_global_batch(run.cfg, run.position, run.topology.world_size, run.checkpoints.command)
 
 
-def prepare(run: Run, trainer: Trainer) -> None:
+def prepare(run: Run, entry: EntryPoint) -> None:
     """Threads per rank, the hardware checks, and (rank 0) the config tree and the topology."""
-    from project.engine.launch import ddp
+    from project.engine.distributed import ddp
     from project.engine.run.console import print_config_tree
 
     threads = ddp.configure_threads(run.topology)
@@ -155,7 +158,7 @@ def prepare(run: Run, trainer: Trainer) -> None:
         print_config_tree(run.cfg, TREE_ORDER, save_to=None if tree_log.exists() else tree_log)
         t = run.topology
         log.info(
-            f"{trainer.name} trainer: {t.devices} process(es) per node x {t.num_nodes} node(s), "
+            f"{entry.name} trainer: {t.devices} process(es) per node x {t.num_nodes} node(s), "
             f"launcher: {t.launcher.name if t.launcher else 'none'}, {threads} thread(s) per "
             "process"
         )
@@ -175,7 +178,7 @@ def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:
 
 
 def relaunch(
-    cfg: DictConfig, trainer: Trainer, output_dir: Path, topology: Topology, overrides: list[str]
+    cfg: DictConfig, entry: EntryPoint, output_dir: Path, topology: Topology, overrides: list[str]
 ) -> None:
     """A sweep job with several processes runs as its own single-node torchrun job."""
     from project.engine.launch.torchrun import relaunch as torchrun_relaunch
@@ -185,7 +188,7 @@ def relaunch(
             "a multirun (-m) with several processes starts one torchrun job per sweep job "
             "itself: run it with plain python, single node"
         )
-    torchrun_relaunch(trainer.module, overrides, str(output_dir), topology.devices)
+    torchrun_relaunch(entry.module, overrides, str(output_dir), topology.devices)
 
 
 def fit_and_test_then_stop(
@@ -194,7 +197,7 @@ def fit_and_test_then_stop(
     """`fit_and_test` with a dead peer or unused parameters reported in one line and a
     coordinated stop turned into exit 143; the process group is closed after a finished run
     or a stop."""
-    from project.engine.launch.ddp import errors_reported
+    from project.engine.distributed.ddp import errors_reported
 
     try:
         with errors_reported():
@@ -221,7 +224,7 @@ def checkpoint_to_test(run: Run, best: Path | None) -> Path | None:
     - else (current, or no such file): None, the weights in memory.
     """
     which = run.cfg.get("test_ckpt") or "current"
-    chosen = {"best": best, "last": run.last}.get(which)
+    chosen = {"best": best, "last": run.checkpoints.last}.get(which)
     if chosen is not None and chosen.is_file() and (run.cfg.train or run.resume.finished):
         return chosen
     if not run.fits:

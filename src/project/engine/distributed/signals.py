@@ -34,11 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from project.engine.errors import UserError
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
-log = logging.getLogger("project.engine.launch.signals")
+log = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -51,12 +49,15 @@ class StopSignal:
 
     def __init__(
         self,
-        every_n_steps: int = 10,
+        *,
+        every_n_steps: int,
+        budget_s: float | None,
+        save_every_n_train_steps: int | None,
+        save_every_n_seconds: float | None,
         signals: Iterable[int] = STOP_SIGNALS,
-        save_every_n_train_steps: int | None = None,
-        save_every_n_seconds: float | None = None,
-        budget_s: float | None = 25.0,
     ) -> None:
+        # No defaults: configs/callbacks/fault_tolerance.yaml is their one home, read by the
+        # run's checkpoint owner (project.engine.checkpoints.run), which builds this.
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
@@ -73,21 +74,6 @@ class StopSignal:
         self._windows = 0  # windows since the last check
         self._last_check = time.monotonic()
         self._warned = False
-
-    @classmethod
-    def from_config(cls, ft: dict[str, Any]) -> StopSignal:
-        """From the `callbacks.fault_tolerance` keys (configs/callbacks/fault_tolerance.yaml, the
-        one place their values are set; this class's defaults when the callback is off)."""
-        names = {"check_every_n_steps": "every_n_steps", "stop_budget_s": "budget_s",
-                 "every_n_train_steps": "save_every_n_train_steps",
-                 "every_n_seconds": "save_every_n_seconds"}  # fmt: skip
-        unknown = set(ft) - set(names) - {"_target_", "dirpath", "filename"}
-        if unknown:
-            raise UserError(
-                f"callbacks.fault_tolerance.{sorted(unknown)[0]} is not an option: see "
-                "configs/callbacks/fault_tolerance.yaml"
-            )
-        return cls(**{names[k]: v for k, v in ft.items() if k in names})
 
     @property
     def saved_step(self) -> int:

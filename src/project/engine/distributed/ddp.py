@@ -36,12 +36,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from project.engine.distributed.exits import EXIT_FAILED, fail
 from project.engine.errors import UserError
 from project.engine.launch.env import Launcher, detect_launcher
-from project.engine.launch.exits import EXIT_FAILED, fail
 from project.engine.private_api import set_collective_timeout
 
-log = logging.getLogger("project.engine.launch.ddp")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

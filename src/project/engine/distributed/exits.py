@@ -48,7 +48,7 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 
 class Preempted(Exception):
     """Every rank agreed to stop on a signal and the last checkpoint is saved
-    (project.engine.launch.signals); the run skeleton exits with EXIT_PREEMPTED."""
+    (project.engine.distributed.signals); the run skeleton exits with EXIT_PREEMPTED."""
 
     def __init__(self, step: int, checkpoint: Path | None) -> None:
         super().__init__(f"stopped by a signal at step {step}")
