@@ -150,8 +150,10 @@ def job_processes(proc: subprocess.Popen[str]) -> dict[int, str]:
     ended (nothing left to kill; init may never reap them in a container)."""
     mark = JOB_MARKS.get(proc)
     needle = f"{JOB_VAR}={mark}\0".encode() if mark else None
-    # Only while `proc` runs: once it is reaped its pid may be another process's.
-    below = set(process_tree(proc.pid)) if proc.poll() is None else set()
+    # Its pid names its group and its children only while `proc` runs: once it is reaped
+    # (and its group empty) the number may be another job's, so then only the mark counts.
+    running = proc.poll() is None
+    below = set(process_tree(proc.pid)) if running else set()
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -159,7 +161,7 @@ def job_processes(proc: subprocess.Popen[str]) -> dict[int, str]:
         pid = int(entry.name)
         try:
             state, _ppid, pgid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
-            ours = int(pgid) == proc.pid or pid in below
+            ours = running and (int(pgid) == proc.pid or pid in below)
             if not ours and needle is not None:
                 ours = needle in (entry / "environ").read_bytes()
             if ours and state != "Z":
@@ -174,9 +176,11 @@ def kill_job(proc: subprocess.Popen[str]) -> dict[int, str]:
     """SIGKILL every process of `proc`'s job (job_processes); returns what was running."""
     import signal
 
-    # The group at once first: a process it forks meanwhile is in the group too.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # The group at once first (a process it forks meanwhile is in the group too), while its
+    # leader is unreaped: after that the number may name another job's group.
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     left = job_processes(proc)
     for pid in left:
         with contextlib.suppress(ProcessLookupError):

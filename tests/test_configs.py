@@ -122,6 +122,27 @@ def test_eval_config_composes(compose_train) -> None:
     assert cfg.ckpt_path == "/x.ckpt" and cfg.logger == {}
 
 
+def test_a_fault_tolerance_block_of_ones_own_is_settings_not_a_callback(compose_train) -> None:
+    """`callbacks=none +callbacks.fault_tolerance.every_n_seconds=60`: Lightning gets no
+    callback from it (nor a half-built one), the run's checkpoints follow it, the rest of its
+    keys from the shipped file."""
+    from project.engine.checkpoints.resume import Resume
+    from project.engine.checkpoints.run import RunCheckpoints, shipped
+    from project.engine.lightning.build import callbacks
+    from project.engine.lightning.callbacks import RunState
+    from project.engine.run.skeleton import Run
+
+    cfg = compose_train(["callbacks=none", "+callbacks.fault_tolerance.every_n_seconds=60"])
+    output_dir = Path(cfg.paths.output_dir)
+    checkpoints = RunCheckpoints(cfg, output_dir, None, {}, {})
+    run = Run(cfg, output_dir, ddp.resolve_topology(cfg.trainer), Resume(), checkpoints)
+    assert [type(c) for c in callbacks(run, loggers=[])] == [RunState]
+    settings = checkpoints.settings
+    assert settings.every_n_seconds == 60 != shipped(cfg)["every_n_seconds"]
+    assert settings.check_every_n_steps == shipped(cfg)["check_every_n_steps"]
+    assert checkpoints.last == output_dir / "checkpoints" / "last.ckpt" and checkpoints.periodic
+
+
 @pytest.mark.parametrize("flag", ["enable_progress_bar", "enable_model_summary"])
 def test_the_trainer_flags_alone_switch_their_callback_off(compose_train, flag: str) -> None:
     """`trainer.enable_progress_bar=false` just works: the progress bar callback is left out

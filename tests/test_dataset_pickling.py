@@ -192,6 +192,24 @@ def test_remote_shards_are_fetched_once_per_rank_over_epochs_and_workers(
     assert not run_cache.exists()
 
 
+def test_a_ranks_teardown_leaves_the_other_ranks_copies(small_shards: Path, tmp_path: Path) -> None:
+    """Rank 1 builds every split (Lightning's setup does) but reads only train: its teardown
+    removes its own copies and those of a rank beyond the world (a larger attempt's, killed),
+    never rank 0's, which rank 0 may still be reading."""
+    run_cache = tmp_path / "shard_cache"
+    entry = read_index(f"{small_shards}/train")["shards"][0]
+    ShardCache(run_cache).local_copy(f"file://{small_shards}/train/{entry['file']}", entry, 0)
+    (run_cache / "rank5").mkdir()  # left by a 6-rank attempt
+    rank1 = CharStream(f"file://{small_shards}", block_size=8, cache_dir=str(run_cache))
+    for split in ("val", "test"):
+        rank1.dataset(split)  # built, never sharded: says rank 0
+    list(train_loader(rank1, 0))
+    assert (run_cache / "rank1").is_dir()
+    rank1.teardown()
+    assert sorted(p.name for p in run_cache.iterdir()) == ["rank0"]
+    assert list((run_cache / "rank0").rglob(entry["file"]))
+
+
 def test_a_download_killed_midway_leaves_no_file_that_is_read_later(
     small_shards: Path, tmp_path: Path
 ) -> None:

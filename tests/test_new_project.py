@@ -98,7 +98,7 @@ def test_generated_layout_and_names(generated: Path) -> None:
     for script in ("launch/single_node.sh", "launch/multinode.sh", ".ci/run"):
         assert os.access(generated / script, os.X_OK), script  # executable bits kept
     leftover = subprocess.run(
-        ["grep", "-rn", "import project", str(generated)], capture_output=True
+        ["grep", "-rnw", "import project", str(generated)], capture_output=True
     )
     assert leftover.returncode == 1, leftover.stdout
 

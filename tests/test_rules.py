@@ -67,8 +67,20 @@ def test_cadences_come_from_the_fault_tolerance_config(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"callbacks\.fault_tolerance\.check_every_n_step "):
         owner(tmp_path, fault_tolerance={"check_every_n_step": 3})
     old = "project.engine.lightning.callbacks.FaultTolerance"
-    with pytest.raises(UserError, match=r"fault_tolerance\._target_ must be project\.engine"):
+    with pytest.raises(UserError, match=r"fault_tolerance\._target_ must be \w+\.engine\.check"):
         owner(tmp_path, fault_tolerance={"_target_": old})
+
+
+def test_an_older_templates_lightning_checkpoint_gives_its_rng_states(tmp_path: Path) -> None:
+    """Before one owner, a Lightning checkpoint kept its RNG states in its FaultTolerance
+    callback's state: they are found, and that state is dropped (Lightning would warn that
+    the callback is missing)."""
+    rng = {"torch": "state"}
+    old = {"callbacks": {"FaultTolerance": {"rng": rng}, "ModelCheckpoint{...}": {"k": 1}}}
+    assert RunCheckpoints.rng_of(old) is rng
+    assert old["callbacks"] == {"ModelCheckpoint{...}": {"k": 1}} and old["rng"] is rng
+    new = {"rng": rng, "callbacks": {}}
+    assert RunCheckpoints.rng_of(new) is rng and RunCheckpoints.rng_of({"callbacks": {}}) is None
 
 
 # feature:raw

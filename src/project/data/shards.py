@@ -130,6 +130,12 @@ class ShardCache:
         fs, path = fsspec.core.url_to_fs(url)
         fs.get_file(path, local)
 
+    def ranks_from(self, first: int) -> set[int]:
+        """The ranks >= `first` that have a folder here."""
+        folders = self.root.glob("rank*") if self.root.is_dir() else ()
+        found = {int(f.name[4:]) for f in folders if f.name[4:].isdigit()}
+        return {rank for rank in found if rank >= first}
+
     def remove(self, ranks: Iterable[int]) -> None:
         """Delete the copies of `ranks`; the root too once no rank's folder is left in it."""
         for rank in ranks:

@@ -75,6 +75,7 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         self.lengths, self.shuffle = [int(n) for n in lengths], shuffle
         self.total = sum(self.lengths)
         self.world, self.rank, self.batch_size, self.seed, self.pad = 1, 0, 1, 0, False
+        self.sharded = False  # whether the machinery told it its rank (a loader reads it)
 
     def read(self, shard: int) -> Sequence[Any]:
         """Shard `shard`'s elements, indexable 0..lengths[shard]-1."""
@@ -87,6 +88,7 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         self.world, self.rank, self.batch_size, self.seed, self.pad = (
             world, rank, batch_size, seed, pad
         )  # fmt: skip
+        self.sharded = True
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -68,6 +68,11 @@ class CharStream(DataSource):
         return stream
 
     def teardown(self) -> None:
-        """Remove this process's ranks' shard copies (their workers have ended by now)."""
-        if self.cache is not None:
-            self.cache.remove({stream.rank for stream in self.streams})
+        """Remove this rank's shard copies (its workers have ended by now) and those of ranks
+        beyond this world (left by a larger attempt killed before its teardown); never those
+        of another live rank. A stream no loader read (never sharded) says rank 0 for any
+        rank, so only sharded ones count."""
+        read = [stream for stream in self.streams if stream.sharded]
+        if self.cache is not None and read:
+            world = max(stream.world for stream in read)
+            self.cache.remove({stream.rank for stream in read} | self.cache.ranks_from(world))

@@ -87,7 +87,7 @@ class DirectHookName:
 
 def skip_sigterm_broadcast(trainer: Any) -> bool:
     """Drop the blocking broadcast Lightning runs before every training step when world size
-    > 1 (Lightning issue #21487); the FaultTolerance callback's check every few steps does its
+    > 1 (Lightning issue #21487); RunState's check every few steps does its
     job. False when this Lightning has no such broadcast."""
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from project.engine.checkpoints import LAST_CKPT
 from project.engine.checkpoints.resume import checkpoint_dir
 from project.engine.checkpoints.state import project_state, rng_state, set_rng_state
-from project.engine.config.compose import CONFIG_DIR
+from project.engine.config.compose import CONFIG_DIR, to_plain
 from project.engine.data import elastic
 from project.engine.distributed import comm_hooks
 from project.engine.distributed.signals import StopSignal
@@ -38,7 +38,6 @@ from project.engine.errors import UserError
 # The one home of the fault-tolerance values: the config group's file. With the callback off
 # its stop-check keys still apply (a stop always saves); its save cadences do not.
 SETTINGS_FILE = CONFIG_DIR / "callbacks" / "fault_tolerance.yaml"
-STOP_KEYS = ("check_every_n_steps", "stop_budget_s")
 TARGET = "project.engine.checkpoints.run.FaultTolerance"
 
 
@@ -55,12 +54,13 @@ class FaultTolerance:
     every_n_seconds: float | None  # and every T seconds of training
 
     @classmethod
-    def of(cls, cfg: Mapping[str, Any]) -> FaultTolerance | None:
-        """The run's settings (None: callbacks.fault_tolerance is off); keys a user's own
-        config leaves out come from the shipped file."""
+    def of(cls, cfg: Mapping[str, Any]) -> FaultTolerance:
+        """The settings the run follows: `callbacks.fault_tolerance` (keys a user's own block
+        leaves out come from the shipped file); when it is off, the shipped file's folder, file
+        name and stop checks, and no save cadence (a stop still saves)."""
         given = (cfg.get("callbacks") or {}).get("fault_tolerance")
         if not given:
-            return None
+            return cls(**(shipped(cfg) | {"every_n_train_steps": None, "every_n_seconds": None}))
         given = dict(given)
         if given.pop("_target_", TARGET) != TARGET:
             raise UserError(
@@ -73,14 +73,20 @@ class FaultTolerance:
                 f"callbacks.fault_tolerance.{unknown[0]} is not an option: see "
                 "configs/callbacks/fault_tolerance.yaml"
             )
-        return cls(**({"dirpath": None} | shipped() | given))
+        return cls(**(shipped(cfg) | given))
 
 
-def shipped() -> dict[str, Any]:
-    """The values configs/callbacks/fault_tolerance.yaml sets (but its dirpath, an
-    interpolation of the run folder)."""
-    values = OmegaConf.to_container(OmegaConf.load(SETTINGS_FILE).fault_tolerance)
-    return {k: v for k, v in values.items() if k not in ("_target_", "dirpath")}
+def shipped(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The values configs/callbacks/fault_tolerance.yaml sets, its dirpath resolved against the
+    run's `paths` (None where they cannot resolve it: then the run's checkpoint folder)."""
+    paths = to_plain(cfg.get("paths")) or {}
+    node = OmegaConf.merge({"paths": paths}, OmegaConf.load(SETTINGS_FILE)).fault_tolerance
+    values = {k: node[k] for k in node if k not in ("_target_", "dirpath")}
+    try:
+        values["dirpath"] = node.dirpath
+    except OmegaConfBaseException:  # e.g. a test's config without paths.output_dir
+        values["dirpath"] = None
+    return values
 
 
 class RunCheckpoints:
@@ -93,36 +99,33 @@ class RunCheckpoints:
         self.cfg = cfg  # the run's config: fit_world may still change its batch keys
         self.identity = identity  # what this run trains, as composed
         self.command = command  # the batch keys as the command gave them (engine.data.elastic)
-        self.settings = FaultTolerance.of(cfg)
+        self.periodic = bool((cfg.get("callbacks") or {}).get("fault_tolerance"))
+        self.settings = FaultTolerance.of(cfg)  # with fault tolerance off: stop checks only
         self.folder = checkpoint_dir(cfg, output_dir)
-        folder = Path(self.settings.dirpath) if self.settings and self.settings.dirpath else None
-        filename = self.settings.filename if self.settings else LAST_CKPT
-        self.last = (folder or self.folder) / (last_name or filename)
+        folder = Path(self.settings.dirpath) if self.settings.dirpath else self.folder
+        self.last = folder / (last_name or self.settings.filename)
+        # Decided once, before any process group: ranks must agree on the final save.
+        self.had_last = self.last.exists()
         self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
         self.finished = False  # set when training ends: `last` then says so
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
 
-    @property
-    def periodic(self) -> bool:
-        """Whether `last` is written at epoch ends, cadences and the end (fault tolerance on)."""
-        return self.settings is not None
-
     def stop_signal(self) -> StopSignal:
-        """The coordinated stop with this run's cadences (saves off with fault tolerance off)."""
+        """The coordinated stop with this run's cadences (no save cadence with fault tolerance
+        off)."""
         s = self.settings
-        stop_keys = {k: getattr(s, k) for k in STOP_KEYS} if s else {
-            k: v for k, v in shipped().items() if k in STOP_KEYS}  # fmt: skip
         return StopSignal(
-            every_n_steps=stop_keys["check_every_n_steps"],
-            budget_s=stop_keys["stop_budget_s"],
-            save_every_n_train_steps=s.every_n_train_steps if s else None,
-            save_every_n_seconds=s.every_n_seconds if s else None,
+            every_n_steps=s.check_every_n_steps,
+            budget_s=s.stop_budget_s,
+            save_every_n_train_steps=s.every_n_train_steps,
+            save_every_n_seconds=s.every_n_seconds,
         )
 
     def saves_at_end(self) -> bool:
         """Whether training's end writes `last` (finished): fault tolerance on, or this run
-        folder already holds one (a stop's) that would otherwise be resumed again."""
-        return self.periodic or self.last.exists()
+        folder held one when the run started (a stop's) that would otherwise be resumed again.
+        The same answer on every rank (read in preflight): the save is collective."""
+        return self.periodic or self.had_last
 
     def finish(self, metrics: Mapping[str, float]) -> None:
         """Training ended: the next `last` says so, with these metrics."""
@@ -143,17 +146,27 @@ class RunCheckpoints:
         }
 
     @staticmethod
-    def restore_rng(checkpoint: Mapping[str, Any]) -> bool:
-        """Continue the interrupted random streams; False when the checkpoint has none.
-        Lightning checkpoints written before this owner kept them in their FaultTolerance
-        callback's state."""
-        rng = checkpoint.get("rng")
-        if rng is None:
-            states = (checkpoint.get("callbacks") or {}).values()
-            rng = next((s["rng"] for s in states if isinstance(s, dict) and "rng" in s), None)
+    def upgrade(checkpoint: dict[str, Any]) -> None:
+        """A Lightning checkpoint of an older template kept the RNG states in the state of
+        its FaultTolerance callback: moved to the top level, and that state dropped (the
+        callback is gone; Lightning would ask for it in a warning)."""
+        states = checkpoint.get("callbacks") or {}
+        for key in [k for k in states if str(k).startswith("FaultTolerance")]:
+            old = states.pop(key)
+            if isinstance(old, dict) and "rng" in old:
+                checkpoint.setdefault("rng", old["rng"])
+
+    @classmethod
+    def rng_of(cls, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """The random generators' states a checkpoint holds (None: none)."""
+        cls.upgrade(checkpoint)
+        return checkpoint.get("rng")
+
+    @staticmethod
+    def restore_rng(rng: dict[str, Any] | None) -> None:
+        """Continue the interrupted random streams (`rng_of` a checkpoint)."""
         if rng is not None:
             set_rng_state(rng)
-        return rng is not None
 
     # --- the comm hook's per-rank files (every rank calls these at the same point) -------------
     def save_hook(self, hook: comm_hooks.CommHook | None, step: int) -> None:

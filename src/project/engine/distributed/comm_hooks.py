@@ -172,7 +172,7 @@ class BucketLayouts:
     the keys that held its parameters, and a key is dropped once none of its parameters is
     left with it. Every bucket goes through the hook once per step, so by the end of every
     step each key holds all of its parameters: nothing is pending between steps, where
-    checkpoints are written (`saved` asserts it).
+    checkpoints are written (`saved` checks it).
     """
 
     def __init__(self, state: Any, named_parameters: Any) -> None:
@@ -323,7 +323,8 @@ class BucketLayouts:
     def saved(self) -> dict[int, list[str]]:
         """Every key's members, for a checkpoint (written between steps)."""
         pending = [k for k, names in self.names.items() if self.whole.get(names) != k]
-        assert not pending, f"PowerSGD state of keys {pending} is split mid-regrouping"
+        if pending:  # not an assert: `python -O` must not save incomplete state silently
+            raise RuntimeError(f"PowerSGD state of keys {pending} is split mid-regrouping")
         return {k: list(names) for k, names in self.names.items()}
 
     def restore(self, layouts: dict[int, tuple[str, ...]]) -> None:
@@ -406,12 +407,12 @@ def save_state(hook: CommHook | None, last: Path, step: int) -> None:
     rank, world = rank_and_world()
     path = state_file(last, step, rank)
     # Complete: checkpoints are written between optimizer steps, when no part of PowerSGD's
-    # state waits between buckets (hook.state_dict asserts it: BucketLayouts.saved).
-    state = {"world_size": world, **hook.state_dict()}
+    # state waits between buckets (hook.state_dict checks it: BucketLayouts.saved). Whatever
+    # fails on this rank is agreed on below, so no rank leaves before the others' collective.
     code, text = OK, ""
     try:
-        atomic_save(state, path)
-    except (OSError, RuntimeError) as err:  # torch.save's zip writer raises RuntimeError
+        atomic_save({"world_size": world, **hook.state_dict()}, path)
+    except Exception as err:  # torch.save's zip writer raises RuntimeError
         code = UNREADABLE
         text = (
             f"the PowerSGD state of rank {rank} could not be written to {path} "

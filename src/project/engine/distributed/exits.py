@@ -52,7 +52,7 @@ class Preempted(Exception):
 
     def __init__(self, step: int, checkpoint: Path | None) -> None:
         super().__init__(f"stopped by a signal at step {step}")
-        self.step, self.checkpoint = step, checkpoint  # None: fault tolerance is off
+        self.step, self.checkpoint = step, checkpoint  # None: nothing saved (fast_dev_run)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +15,6 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from project.engine.checkpoints.run import FaultTolerance
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.distributed import ddp
@@ -29,7 +28,7 @@ from project.engine.run.skeleton import Run
 log = logging.getLogger(__name__)
 
 
-def instantiate_all(group: DictConfig | None) -> list[Any]:
+def instantiate_all(group: Mapping[str, Any] | None) -> list[Any]:
     """Instantiate every non-null `{name: {_target_: ...}}` entry of a callbacks/logger group."""
     return [instantiate(c) for c in (group or {}).values() if c is not None]
 
@@ -44,8 +43,10 @@ def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
     """The `callbacks` group, fitted to the run: what the trainer flags switch off is left out,
     the run's checkpoint state is always kept (RunState, following callbacks.fault_tolerance,
     which is its settings, not a callback), the optional recorders are added."""
-    cfg, found = run.cfg, instantiate_all(run.cfg.get("callbacks"))
-    left_out: list[type] = [FaultTolerance]
+    cfg = run.cfg
+    # fault_tolerance: the settings run.checkpoints already read (not built, not a callback).
+    group = {k: v for k, v in (cfg.get("callbacks") or {}).items() if k != "fault_tolerance"}
+    found, left_out = instantiate_all(group), []
     if not loggers:  # `logger=none` must just work: an LR monitor without a logger is an error
         left_out.append(pl.callbacks.LearningRateMonitor)
     if cfg.trainer.get("enable_progress_bar") is False:  # the flag every Lightning user knows

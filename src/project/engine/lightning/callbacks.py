@@ -52,7 +52,8 @@ class RunState(pl.Callback):
     def __init__(self, checkpoints: RunCheckpoints) -> None:
         self.checkpoints = checkpoints
         self.stop = checkpoints.stop_signal()
-        self._resumed: dict[str, Any] | None = None  # the checkpoint fit resumes from
+        self._resuming = False  # fit continues from a checkpoint: restore at train start
+        self._rng: dict[str, Any] | None = None  # its generators' states (not all of it)
         self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
 
     # --- state in the checkpoint ---
@@ -71,12 +72,14 @@ class RunState(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._resumed = checkpoint  # restored at train start, after Lightning's own seeding
+        # Restored at train start, after Lightning's own seeding. Only the RNG states are kept:
+        # Lightning frees the rest once it restored it.
+        self._resuming, self._rng = True, self.checkpoints.rng_of(checkpoint)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._resumed is not None:  # continue the interrupted RNG streams
-            self.checkpoints.restore_rng(self._resumed)
-            self._resumed = None
+        if self._resuming:  # continue the interrupted RNG streams
+            self.checkpoints.restore_rng(self._rng)
+            self._resuming, self._rng = False, None
             step, device = trainer.global_step, trainer.strategy.root_device
             self.checkpoints.load_hook(comm_hook(trainer), Path(trainer.ckpt_path), step, device)
         strategy = trainer.strategy  # the template's DDPStrategy, or one process ("auto")

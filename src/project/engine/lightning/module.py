@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from project.engine.checkpoints.run import RunCheckpoints
 from project.engine.config.compose import to_plain
 from project.engine.private_api import DirectHookName
 from project.engine.shared.metrics import stage_metrics
@@ -45,6 +46,11 @@ class TaskModule(DirectHookName, pl.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.task(x)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Before the callbacks' hooks: an older template's checkpoint resumes without a
+        # warning about its callback that is gone (RunState does it for other modules).
+        RunCheckpoints.upgrade(checkpoint)
 
     # Cuts in Lightning's per-step hook machinery, same results (DirectHookName, this hook and
     # the datamodule's transfer_batch_to_device; docs/performance.md has what they save).

@@ -304,7 +304,7 @@ class RawTrainer:
 
     def check_stop(self) -> None:
         """At an accumulation window start (no partial gradients to lose): every few windows
-        the ranks agree whether to save last.pt and whether to stop (launch/signals.py)."""
+        the ranks agree whether to save last.pt and whether to stop (distributed/signals.py)."""
         self.timeouts.in_steps()
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
@@ -461,7 +461,7 @@ class RawTrainer:
         self.position = elastic.Position.of(state.get(elastic.KEY))
         self.early.best = state["early_stopping"]["best"]
         self.early.wait = state["early_stopping"]["wait"]
-        self.checkpoints.restore_rng(state)  # continue the interrupted random streams
+        self.checkpoints.restore_rng(self.checkpoints.rng_of(state))  # continue the streams
         self.checkpoints.load_hook(self.comm_hook, Path(path), self.global_step, self.device)
         self.resumed = True
         log.info(f"Resumed from {path}: epoch {self.epoch}, step {self.global_step}")
