@@ -152,17 +152,13 @@ class RawTrainer:
         self.strategy = dict(to_plain(self.cfg.get("strategy")) or {})
         hook = self.strategy.get("comm_hook")
         self.comm_hook = instantiate(hook) if hook and topology.world_size > 1 else None
+        s = self.strategy
+        timeout = instantiate(s["timeout"]) if s.get("timeout") else None
         if self.world > 1:
-            s = self.strategy
-            timeout = instantiate(s["timeout"]) if s.get("timeout") else None
             backend = s.get("process_group_backend") or ("nccl" if self.on_gpu else "gloo")
             device_id = self.device if self.on_gpu else None
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        self.timeouts = CollectiveTimeout(
-            self.strategy.get("step_timeout_s"),
-            instantiate(self.strategy["timeout"]) if self.strategy.get("timeout") else None,
-            self.world,
-        )
+        self.timeouts = CollectiveTimeout(s.get("step_timeout_s"), timeout, self.world)
         self.is_zero = self.rank == 0
 
     def setup_data(self) -> None:
