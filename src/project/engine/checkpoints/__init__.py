@@ -1,5 +1,4 @@
 """Checkpoint state (RNG, atomic writes, reading), what a run may resume from, and the one
 owner of a run's checkpoints (run.py)."""
 
-LAST_CKPT = "last.ckpt"  # the run's resume point (Lightning's checkpoint format)
 LAST_PT = "last.pt"  # the raw trainer's: its own format, whatever the config names
