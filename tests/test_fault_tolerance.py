@@ -24,7 +24,6 @@ from tests.helpers import (
     assert_same_weights,
     exit_check_env,
     finish,
-    launcher,
     start,
 )
 
@@ -181,8 +180,8 @@ def test_killed_rank_without_restarts_ends_the_job(base_args, launcher) -> None:
         code, out = finish(start(cmd), 120)
     assert code != 0
     assert time.monotonic() - began < 90  # well inside strategy.timeout (600 s): no hang
-    if launcher == "lightning":
-        assert "another rank died or stopped responding" in out
+    if launcher == "lightning":  # rank 0 survives its peer: the report names the dead rank
+        assert "hang report: the job failed" in out and "died (pid" in out, out[-3000:]
 
 
 def test_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path) -> None:
@@ -284,20 +283,6 @@ def test_every_stop_signal_stops_a_worker_at_the_next_check() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
-def test_hung_rank_under_lightning_launcher_leaves_no_process(base_args) -> None:
-    """Rank 1 stops responding; rank 0 fails on the collective timeout, and rank 1 (its child)
-    must not be left behind (finish() asserts the whole process group is gone)."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *base_args, *ARGS, "trainer.accelerator=cpu",
-           "trainer.devices=2", "fault_injection.at_step=5", "fault_injection.rank=1",
-           "fault_injection.mode=hang", "strategy.timeout.seconds=10"]  # fmt: skip
-    began = time.monotonic()
-    code, out = finish(start(cmd), 120)
-    assert code == 1 and "another rank died or stopped responding" in out, out[-3000:]
-    assert time.monotonic() - began < 90
-
-
-@pytest.mark.slow
 def test_stop_check_adapts_to_the_stop_budget(base_args, log_dir) -> None:
     """With slow steps (here: a budget far below one step) the ranks check every window, so a
     stop fits the scheduler's grace time, and they say that even one step does not fit."""
@@ -309,26 +294,12 @@ def test_stop_check_adapts_to_the_stop_budget(base_args, log_dir) -> None:
     assert out.count("more than the stop budget") == 1
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("module", list(TRAINERS.values()))
-def test_a_rank_hung_after_the_first_step_fails_on_the_step_timeout(base_args, module) -> None:
-    """Rank 1 stops responding at step 5 (alive, its connections open): the other rank gives
-    up after strategy.step_timeout_s, not after strategy.timeout (600 s), and the job ends
-    with no process left. The first step, validation and saves keep the long timeout."""
-    args = [*base_args, *ARGS, "fault_injection.at_step=5", "fault_injection.rank=1",
-            "fault_injection.mode=hang", "strategy.step_timeout_s=5"]  # fmt: skip
-    began = time.monotonic()
-    code, out = finish(start(launcher(["-m", module, *args])), timeout=240)
-    assert code != 0 and "fault injection: hang on rank 1 at step 5" in out, out[-3000:]
-    # 5 s, start-up, and torchrun's 30 s before it kills the hung rank: far from 600 s
-    assert time.monotonic() - began < 200, out[-3000:]
-
-
 @pytest.mark.quick
 def test_the_step_timeout_starts_at_the_second_window_after_anything_long(monkeypatch) -> None:
     """The short timeout never covers an attempt's first step, an epoch's first window (its
     workers starting), or the window after validation or a save: by the second window every
-    rank has passed a collective since."""
+    rank has passed a collective since. (A rank hung inside the steps is reported after the
+    step timeout: tests/test_hangs.py; the collective itself fails REPORT_S later.)"""
     import datetime
 
     from project.engine.distributed import ddp
@@ -338,17 +309,18 @@ def test_the_step_timeout_starts_at_the_second_window_after_anything_long(monkey
     timeouts = ddp.CollectiveTimeout(5, datetime.timedelta(seconds=600), world_size=2)
     timeouts.in_steps()  # the attempt's first window (a resumed one too)
     assert set_to == []
+    assert timeouts.deadline() == 570  # the report 30 s before the collective fails
     timeouts.in_steps()
     timeouts.in_steps()
-    assert set_to == [5]
+    assert set_to == [35] and timeouts.deadline() == 5
     timeouts.outside_steps()  # a save, validation, the epoch's end
     timeouts.in_steps()
-    assert set_to == [5, 600]
+    assert set_to == [35, 600]
     timeouts.in_steps()
-    assert set_to == [5, 600, 5]
+    assert set_to == [35, 600, 35]
     alone = ddp.CollectiveTimeout(5, None, world_size=1)  # one process waits for no one
     alone.in_steps(), alone.in_steps()
-    assert set_to == [5, 600, 5]
+    assert set_to == [35, 600, 35]
     shorter = ddp.CollectiveTimeout(120, datetime.timedelta(seconds=10), world_size=2)
     shorter.in_steps(), shorter.in_steps()  # strategy.timeout below the step timeout: it wins
-    assert set_to == [5, 600, 5, 10]
+    assert set_to == [35, 600, 35, 10] and shorter.deadline() == 5

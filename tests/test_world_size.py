@@ -541,9 +541,12 @@ def lightning_epoch(tmp_path: Path, ckpt: Path | None) -> list[list[int]]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from project.engine.checkpoints.resume import Resume
     from project.engine.checkpoints.run import RunCheckpoints
+    from project.engine.distributed.ddp import Topology
     from project.engine.lightning.callbacks import RunState
     from project.engine.lightning.datamodule import shard_datamodule
+    from project.engine.run.skeleton import Run
 
     seen: list[list[int]] = []
 
@@ -573,7 +576,8 @@ def lightning_epoch(tmp_path: Path, ckpt: Path | None) -> list[list[int]]:
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False,
                          num_sanity_val_steps=0,
-                         callbacks=[RunState(owner), every])  # fmt: skip
+                         callbacks=[RunState(Run(cfg, tmp_path, Topology(1, 1, None), Resume(),
+                                                 owner)), every])  # fmt: skip
     trainer.fit(Model(), data, ckpt_path=ckpt, weights_only=True)
     return seen
 

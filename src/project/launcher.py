@@ -8,8 +8,9 @@ the failure handling a training job needs, which torchrun lacks:
   only repeat the error, or train on while the scheduler is taking the machine away.
 - One exit code that means one thing: 0 finished (also when a signal came after training had
   finished), 143 stopped by a signal (rerun to resume; SLURM requeues on it), 2 bad input,
-  1 anything else, with one line naming the failed rank and how it ended instead of
-  torchrun's 25-40 line error report.
+  124 the ranks stopped making progress (rank 0 printed the hang report), 1 anything else,
+  with one line naming the failed rank and how it ended instead of torchrun's 25-40 line
+  error report.
 - SIGUSR1 and SIGUSR2 (SLURM's early warning: the sbatch recipe's and submitit's) are
   forwarded to the workers like SIGTERM and SIGINT, not fatal to the launcher alone; a
   repeated signal while the workers are saving does not cut their shutdown short.
@@ -38,6 +39,7 @@ from typing import Any
 from project.engine.distributed.exits import (
     EXIT_DIR_ENV,
     EXIT_FAILED,
+    EXIT_HUNG,
     EXIT_OK,
     EXIT_PREEMPTED,
     NO_RESTART,
@@ -56,11 +58,11 @@ log = logging.getLogger("project.launcher")  # not __name__: run as a script it 
 
 class _QuietExpectedExits(logging.Filter):
     """torchrun logs an error line for every failed worker; for exit 2 (the worker printed
-    its one-line error) and 143 (a coordinated stop) that line only adds noise."""
+    its one-line error), 124 (a hang report) and 143 (a coordinated stop) it only adds noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(f"(exitcode: {code})" in message for code in NO_RESTART)
+        return not any(f"(exitcode: {code})" in message for code in (*NO_RESTART, EXIT_HUNG))
 
 
 def _failure_line(failures: dict[int, Any]) -> str:
@@ -130,7 +132,7 @@ def launch(argv: list[str]) -> int:
             return _signalled(state["signal"], worker_exits(folder))
         # The first failure is the cause; the agent then stops the other workers (SIGTERM).
         first = min(err.failures.values(), key=lambda f: f.timestamp)
-        if first.exitcode in NO_RESTART:  # the workers said why themselves
+        if first.exitcode in (*NO_RESTART, EXIT_HUNG):  # the workers said why themselves
             return first.exitcode
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
         return EXIT_FAILED

@@ -55,7 +55,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         strategy=strategy,
         callbacks=callbacks,
         logger=loggers or False,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
     )
     for lg in loggers:

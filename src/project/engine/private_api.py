@@ -38,6 +38,16 @@ USED = (
     ),
     ("torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
+    # The hang report (engine/distributed/ledger.py, hangs.py): collectives issued so far,
+    # torch's Flight Recorder, and Lightning's watcher of the ranks its launcher started.
+    ("torch.distributed.distributed_c10d", "_get_default_group"),
+    ("torch.distributed", "ProcessGroup._get_sequence_number_for_group"),
+    ("torch._C._distributed_c10d", "_dump_fr_trace_json"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._finished"),
+    (
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "_ChildProcessObserver._terminate_all",
+    ),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier_timeout"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._store"),
@@ -242,3 +252,37 @@ def set_collective_timeout(timeout: Any) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout)
+
+
+def collective_counter() -> Any:
+    """A function giving the number of collectives the default process group has issued (its
+    sequence number, which every rank's n-th collective shares)."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()._get_sequence_number_for_group
+
+
+def flight_recorder() -> list[dict[str, Any]]:
+    """torch's Flight Recorder entries (the last collectives of every process group), oldest
+    first; [] when it is off or unavailable."""
+    import json
+
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        return json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False)).get(
+            "entries", []
+        )
+    except Exception:  # a report must not fail because the recorder did
+        return []
+
+
+def pause_child_observer() -> None:
+    """Lightning's launcher watches the ranks it started and SIGKILLs rank 0 within 5 s of one
+    failing; while rank 0 writes a hang report it must not (the report kills them after)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":
+            thread._finished = True  # type: ignore[attr-defined]
+            thread._terminate_all = lambda: None  # type: ignore[attr-defined]  # mid-sleep

@@ -7,9 +7,10 @@
   the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
 - `check_options` refuses, at start-up, DDP options that cannot work on this hardware or
   together with the trainer options (before any process group is made).
-- `errors_reported` turns "another rank is gone" and "these parameters got no gradient" into
-  one line each; `CollectiveTimeout` makes a peer that stopped responding inside the training
-  steps end the job in `strategy.step_timeout_s`, not `strategy.timeout`.
+- `errors_reported` turns "another rank is gone" (a hang report while training runs) and
+  "these parameters got no gradient" into one line each; `CollectiveTimeout` makes a peer
+  that stopped responding inside the training steps reported in `strategy.step_timeout_s`,
+  not `strategy.timeout`.
 
 Entry points import this after Hydra has composed the config. Lightning is imported only
 where a Lightning object is needed: the raw trainer uses this module without it.
@@ -37,6 +38,7 @@ from omegaconf import DictConfig, open_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from project.engine.distributed.exits import EXIT_FAILED, fail
+from project.engine.distributed.hangs import is_peer_failure, report_peer_failure
 from project.engine.errors import UserError
 from project.engine.launch.env import Launcher, detect_launcher
 from project.engine.private_api import set_collective_timeout
@@ -193,14 +195,6 @@ def build_strategy(strategy_cfg: DictConfig | None, topology: Topology) -> Any:
     return instantiate(strategy_cfg)
 
 
-def is_peer_failure(err: BaseException) -> bool:
-    """gloo/NCCL errors that mean "the other side is gone", not a bug in this process."""
-    text = str(err)
-    markers = ("Connection closed by peer", "Connection reset by peer", "timed out",
-               "Timed out", "NCCL communicator was aborted", "Broken pipe")  # fmt: skip
-    return type(err).__name__ == "DistBackendError" or any(m in text for m in markers)
-
-
 # DDP names parameters that got no gradient by their index in the order it registered them.
 UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 _parameter_names: list[str] = []  # the DDP model's parameters, in that order
@@ -239,6 +233,7 @@ def errors_reported() -> Iterator[None]:
             )
         if not is_peer_failure(err):
             raise
+        report_peer_failure(err)  # while training runs: every live rank reports, rank 0 prints
         fail(
             "a distributed collective failed: another rank died or stopped responding "
             f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); see the other ranks' "
@@ -248,19 +243,23 @@ def errors_reported() -> Iterator[None]:
 
 
 class CollectiveTimeout:
-    """Two collective timeouts, for both trainers.
+    """Two deadlines, for both trainers: how long a rank may make no progress before the hang
+    report (project.engine.distributed.hangs), and, a little longer (REPORT_S), how long a
+    collective may wait before it fails (the backstop when the report cannot run).
 
-    Until this attempt's first optimizer step has ended, a collective may wait
-    `strategy.timeout` (600 s: process-group set-up, first-time compilation, workers starting);
-    inside the training steps after it, `strategy.step_timeout_s` (120 s), so a peer gone
-    without closing its connections (a power loss, a cut cable, a wedged GPU, a deadlock) ends
-    the job in two minutes instead of ten. A dead process is noticed at once either way (gloo
-    and NCCL see its connections close). The timeout is per rank and the waiting rank's
-    counts, so the short one starts only at the second window after anything that can keep one
-    rank long (the attempt's start, an epoch start with its workers, validation, a checkpoint
-    save): by then every rank has passed a collective since. The trainers call `in_steps` at
-    every accumulation window start and `outside_steps` before anything else.
+    Until this attempt's first optimizer step has ended, `strategy.timeout` (600 s:
+    process-group set-up, first-time compilation, workers starting); inside the training steps
+    after it, `strategy.step_timeout_s` (120 s), so a peer gone without closing its
+    connections (a power loss, a cut cable, a wedged GPU, a deadlock) is reported in two
+    minutes instead of ten. A dead process is noticed at once either way (gloo and NCCL see
+    its connections close). The timeout is per rank and the waiting rank's counts, so the
+    short one starts only at the second window after anything that can keep one rank long
+    (the attempt's start, an epoch start with its workers, validation, a checkpoint save): by
+    then every rank has passed a collective since. The trainers call `in_steps` at every
+    accumulation window start and `outside_steps` before anything else.
     """
+
+    REPORT_S = 30.0  # a collective fails this much after the report's deadline
 
     def __init__(
         self, step_s: float | None, long: datetime.timedelta | None, world_size: int
@@ -271,12 +270,26 @@ class CollectiveTimeout:
         self.windows = 0  # window starts since the last long phase
         self.short = False  # the step timeout is in force
 
+    def collective_s(self) -> float:
+        """The collective timeout in force now."""
+        if self.short and self.step is not None:
+            return min(self.step.total_seconds() + self.REPORT_S, self.long.total_seconds())
+        return self.long.total_seconds()
+
+    def deadline(self) -> float:
+        """Seconds without progress before the hang report, in the current phase:
+        `step_timeout_s` in steps, else the collective timeout less REPORT_S (at least half)."""
+        timeout = self.collective_s()
+        if self.short and timeout > self.REPORT_S:  # step_timeout_s (or less, when capped)
+            return timeout - self.REPORT_S
+        return max(timeout - self.REPORT_S, timeout / 2)
+
     def in_steps(self) -> None:
         """At an accumulation window start."""
         self.windows += 1
         if self.step is not None and self.windows >= 2 and not self.short:
-            set_collective_timeout(self.step)
             self.short = True
+            set_collective_timeout(datetime.timedelta(seconds=self.collective_s()))
 
     def outside_steps(self) -> None:
         """Before validation, a checkpoint save, the end of an epoch or of training."""

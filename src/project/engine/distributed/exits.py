@@ -2,9 +2,11 @@
 and closing the process group.
 
 One exit code means one thing, for both trainers, eval, the doctor and `project.launcher`:
-0 finished, 1 anything else, 2 bad input (one line said why), 143 stopped by a signal after
-saving the last checkpoint (run the same command again to resume). 143 is 128 + SIGTERM, what
-a process killed by SIGTERM reports, so schedulers treat it as "terminated", not "failed".
+0 finished, 1 anything else, 2 bad input (one line said why), 124 the ranks stopped making
+progress (a hang: the report in <run>/hang/ says where; `timeout`'s code), 143 stopped by a
+signal after saving the last checkpoint (run the same command again to resume). 143 is 128 +
+SIGTERM, what a process killed by SIGTERM reports, so schedulers treat it as "terminated", not
+"failed".
 
 Only the standard library is imported at the top: `project.launcher` and every entry point
 import this module before anything heavy.
@@ -24,6 +26,7 @@ from project.engine.launch.env import rank
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_HUNG = 124
 EXIT_PREEMPTED = 143
 NO_RESTART = (EXIT_BAD_INPUT, EXIT_PREEMPTED)  # a restart would repeat the error, or fight the
 # scheduler that is taking the machine away
@@ -69,9 +72,14 @@ def report_exit() -> Iterator[None]:
         code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
         raise
     finally:
-        folder = os.environ.get(EXIT_DIR_ENV)
-        if folder and os.path.isdir(folder):
-            Path(folder, f"rank-{rank()}").write_text(str(code))
+        record_exit(code)
+
+
+def record_exit(code: int | str | None) -> None:
+    """Tell the launcher this worker's exit code (also before an `os._exit`)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"rank-{rank()}").write_text(str(code))
 
 
 def worker_exits(folder: str) -> dict[int, int]:

@@ -1,7 +1,9 @@
 """Fault injection for tests and failure drills, shared by both trainers.
 
     python train.py fault_injection.at_step=30 fault_injection.rank=1   # SIGKILL rank 1 at step 30
-    python train.py ... fault_injection.mode=hang    # rank 1 stops responding (peers time out)
+    python train.py ... fault_injection.mode=hang    # rank 1 stops responding (a hang report)
+    python train.py ... fault_injection.mode=desync  # rank 1 issues one extra all-reduce
+    python train.py ... fault_injection.mode=slow fault_injection.slow_ms=50  # from step 30 on
 
 Only the first attempt of a torchrun job fails (TORCHELASTIC_RESTART_COUNT=0), so a job run
 with `--max-restarts` recovers instead of failing again at the same step after resuming.
@@ -16,24 +18,33 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-MODES = ("sigkill", "sigterm", "sigint", "exception", "hang")
+from project.engine.distributed.ledger import FAULT
+
+MODES = ("sigkill", "sigterm", "sigint", "exception", "hang", "desync", "slow")
 
 
 class InjectedFault(RuntimeError):
     """Raised by fault_injection.mode=exception."""
 
 
-def maybe_fail(step: int, rank: int, cfg: Mapping[str, Any] | None) -> None:
-    """Fail now if `cfg` asks for this (global) step on this rank."""
-    if not cfg or cfg.get("at_step") is None:
+def maybe_fail(step: int, rank: int, cfg: Mapping[str, Any] | None, ledger: Any = None) -> None:
+    """Fail now if `cfg` asks for this (global) step on this rank (`slow`: from it on).
+    `ledger` (project.engine.distributed.ledger) records that the fault was injected."""
+    if not cfg or cfg.get("at_step") is None or rank != int(cfg.get("rank", 0)):
         return
-    if step != int(cfg["at_step"]) or rank != int(cfg.get("rank", 0)):
+    mode, at = cfg.get("mode", "sigkill"), int(cfg["at_step"])
+    if step < at or (step > at and mode != "slow"):
         return
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    mode = cfg.get("mode", "sigkill")
+    if mode == "slow":  # a straggler: its steps take this much longer (every step from `at`)
+        time.sleep(float(cfg.get("slow_ms") or 0) / 1000)
+        if step > at:
+            return
     # print, not log: the logging config is rank-zero only, and this must show on any rank.
     print(f"fault injection: {mode} on rank {rank} at step {step}", file=sys.stderr, flush=True)
+    if ledger is not None and mode != "slow":
+        ledger.mark(FAULT, step)
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode in ("sigterm", "sigint"):
@@ -43,5 +54,18 @@ def maybe_fail(step: int, rank: int, cfg: Mapping[str, Any] | None) -> None:
     elif mode == "hang":  # a rank that stops responding (deadlock, stuck I/O, a wedged GPU)
         while True:
             time.sleep(3600)
-    else:
+    elif mode == "desync":  # rank-dependent code: a collective the other ranks do not issue
+        extra_all_reduce(ledger, step)
+    elif mode != "slow":
         raise ValueError(f"fault_injection.mode={mode!r} is not one of {', '.join(MODES)}")
+
+
+def extra_all_reduce(ledger: Any, step: int) -> None:
+    """One all-reduce only this rank issues; the ledger records it before it blocks."""
+    import torch
+    import torch.distributed as dist
+
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    if ledger is not None:
+        ledger.mark(FAULT, step)  # after issuing: the ledger counts it
+    work.wait()

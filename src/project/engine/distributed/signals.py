@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from project.engine.distributed.ledger import STOP_CHECK
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,10 @@ class StopSignal:
         self._windows = 0  # windows since the last check
         self._last_check = time.monotonic()
         self._warned = False
+        # Set by the trainers: the check marks the ledger before its collective, and carries
+        # the ranks' step timings for straggler detection (no collective of their own).
+        self.ledger: Any = None  # project.engine.distributed.ledger.Ledger
+        self.stragglers: Any = None  # project.engine.distributed.stragglers.Stragglers
 
     @property
     def saved_step(self) -> int:
@@ -121,14 +127,19 @@ class StopSignal:
         self._windows, self._last_check = 0, now
         seconds = self.save_every_n_seconds
         due = seconds is not None and now - self._last_save >= seconds
+        timings = self.stragglers.payload() if self.stragglers is not None else []
         flags = torch.tensor(
-            [0 if self.received is None else 1, int(due), window_s, self.save_s],
+            [0 if self.received is None else 1, int(due), window_s, self.save_s, *timings],
             device=device, dtype=torch.float64,
         )  # fmt: skip
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if self.ledger is not None:
+                self.ledger.mark(STOP_CHECK, step)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, time_save, slowest_window_s, slowest_save_s = flags.tolist()
+        stop, time_save, slowest_window_s, slowest_save_s, *timings = flags.tolist()
         self._adapt(slowest_window_s, slowest_save_s)
+        if self.stragglers is not None:
+            self.stragglers.judge(timings, step)
         if stop:
             # print, not log (rank zero only): every rank reports what it saw.
             name = signal.Signals(self.received).name if self.received else "a peer's signal"

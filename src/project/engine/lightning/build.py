@@ -55,11 +55,11 @@ def callbacks(run: Run, loggers: list[Any]) -> list[Any]:
         left_out.append(pl.callbacks.ModelSummary)
     found = [c for c in found if not isinstance(c, tuple(left_out))]
     check_one_last_checkpoint(found)
-    found.append(RunState(run.checkpoints))
+    found.append(RunState(run))
     if cfg.get("step_stats"):
         found.append(StepStatsCallback(str(run.output_dir)))
     if (cfg.get("fault_injection") or {}).get("at_step") is not None:
-        found.append(FaultInjection(to_plain(cfg.fault_injection)))
+        found.append(FaultInjection(to_plain(cfg.fault_injection), run.ledger))
     return found
 
 

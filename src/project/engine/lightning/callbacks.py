@@ -5,22 +5,28 @@ position), atomic checkpoint writes, per-step statistics and fault injection."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from project.engine.checkpoints.run import RunCheckpoints
 from project.engine.checkpoints.state import atomic_save
 from project.engine.data import sharding
-from project.engine.distributed import comm_hooks, faults
+from project.engine.distributed import comm_hooks, faults, hangs
+from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.ddp import CollectiveTimeout
+from project.engine.distributed.ledger import Ledger
 from project.engine.lightning.datamodule import batches_done, fit_epoch
-from project.engine.private_api import skip_sigterm_broadcast
+from project.engine.private_api import kill_launched_ranks, skip_sigterm_broadcast
+from project.engine.run import watch
 from project.engine.shared.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from project.engine.run.skeleton import Run
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +53,16 @@ class RunState(pl.Callback):
       mid-epoch checkpoint's epoch stood, on any world size (datamodule.start_where_fit_resumes);
       every epoch reaches the loaders' orders (Lightning sets the epoch on samplers only, not
       on an iterable dataset such as a ShardedStream, nor the workers' seeds).
+    - The run's diagnostics (project.engine.run.watch): the ledger's marks at each phase of a
+      step, the hang watchdog, the ranks' step timings for straggler detection, goodput.
     """
 
-    def __init__(self, checkpoints: RunCheckpoints) -> None:
-        self.checkpoints = checkpoints
+    def __init__(self, run: Run) -> None:
+        self.checkpoints = checkpoints = run.checkpoints
+        self.run, self.ledger = run, run.ledger
         self.stop = checkpoints.stop_signal()
+        self.watch: watch.Watch | None = None
+        self._backward_at = 0.0
         self._resuming = False  # fit continues from a checkpoint: restore at train start
         self._rng: dict[str, Any] | None = None  # its generators' states (not all of it)
         self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
@@ -67,7 +78,7 @@ class RunState(pl.Callback):
         ))  # fmt: skip
         # Every save (this callback's, ModelCheckpoint's every_n_train_steps): the other ranks
         # wait while rank 0 writes.
-        self.timeouts.outside_steps()
+        self.outside_steps(ledgers.CHECKPOINT, trainer)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -88,6 +99,11 @@ class RunState(pl.Callback):
         # Lightning registered its signal handlers just before this hook; ours replace them
         # and Lightning's teardown restores the original ones afterwards.
         self.stop.install()
+        self.watch = watch.start(
+            self.run, trainer.global_rank, trainer.world_size, trainer.global_step,
+            self.timeouts, self.stop, log_to(trainer),
+            kill_children=lambda: kill_launched_ranks(trainer, signal.SIGKILL),
+        )  # fmt: skip
         self.stop.mark_saved(trainer.global_step)  # a resumed run starts from a checkpoint
         if not skip_sigterm_broadcast(trainer):  # the check below does its job every few steps
             log.warning("this Lightning has no per-step SIGTERM broadcast to replace")
@@ -101,6 +117,9 @@ class RunState(pl.Callback):
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             return  # inside an accumulation window: partial gradients are not checkpointed
+        stragglers = self.stop.stragglers
+        if stragglers is not None:
+            stragglers.window_end()
         self.timeouts.in_steps()
         stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
         epoch_end = self.checkpoints.periodic and batch_idx == 0
@@ -108,12 +127,32 @@ class RunState(pl.Callback):
             self.save(trainer)
         if stop:
             raise SIGTERMException()
+        self.ledger.mark(ledgers.STEP, trainer.global_step)
+        if stragglers is not None:
+            stragglers.window_start()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
+        self._backward_at = time.perf_counter()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.stop.stragglers is not None:  # the last backward of a window is the syncing one
+            self.stop.stragglers.synced(time.perf_counter() - self._backward_at)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.ledger.mark(ledgers.OPTIMIZER, trainer.global_step)
+
+    def outside_steps(self, phase: int, trainer: pl.Trainer) -> None:
+        """Anything but a training step begins: long timeouts, the ledger, no step timing."""
+        self.timeouts.outside_steps()
+        self.ledger.mark(phase, trainer.global_step)
+        if self.stop.stragglers is not None:
+            self.stop.stragglers.pause()
 
     def save(self, trainer: pl.Trainer) -> None:
         """Write last.ckpt (every rank calls this; rank 0 writes, atomically)."""
         if trainer.fast_dev_run:
             return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
-        self.timeouts.outside_steps()  # the others wait while rank 0 writes
+        self.outside_steps(ledgers.CHECKPOINT, trainer)  # the others wait while rank 0 writes
         began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)
         self.checkpoints.save_hook(hook, trainer.global_step)  # every rank its own file
         trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
@@ -122,20 +161,37 @@ class RunState(pl.Callback):
         log.info(f"Saved {path} at step {trainer.global_step}")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.timeouts.outside_steps()  # and ModelCheckpoint's saves after it
+        self.outside_steps(ledgers.VALIDATION, trainer)  # and ModelCheckpoint's saves after it
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.ledger.touch()  # a long validation is progress, not a hang
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.timeouts.outside_steps()
+        self.outside_steps(ledgers.EPOCH_END, trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stop.restore()
-        self.timeouts.outside_steps()
+        self.outside_steps(ledgers.EPOCH_END, trainer)
         self.checkpoints.finish(trainer.callback_metrics)
         if self.checkpoints.saves_at_end():
             self.save(trainer)
+        watch.end(self.watch, trainer.global_step, log_to(trainer))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        hangs.report_peer_failure(exception)  # a dead peer: the report (it never returns)
         self.stop.restore()
+
+
+def log_to(trainer: pl.Trainer) -> watch.LogMetrics | None:
+    """Rank 0's loggers, for the straggler timings and the goodput."""
+    if not trainer.is_global_zero or not trainer.loggers:
+        return None
+
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step)
+
+    return log_metrics
 
 
 def comm_hook(trainer: pl.Trainer) -> comm_hooks.CommHook | None:
@@ -145,7 +201,18 @@ def comm_hook(trainer: pl.Trainer) -> comm_hooks.CommHook | None:
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning writes checkpoints straight into the target file; a kill midway leaves a
-    truncated last.ckpt. This writes a temp file, fsyncs and renames it over the target."""
+    truncated last.ckpt. This writes a temp file, fsyncs and renames it over the target.
+    Loading is booked to the ledger's reload phase (goodput)."""
+
+    def __init__(self, ledger: Ledger | None = None) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self.ledger is None:
+            return super().load_checkpoint(path, *args, **kwargs)
+        with self.ledger.during(ledgers.RELOAD):
+            return super().load_checkpoint(path, *args, **kwargs)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -156,11 +223,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class FaultInjection(pl.Callback):
     """Kill (or fail) a chosen rank at a chosen step: `fault_injection.*` in configs/train.yaml."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: dict[str, Any], ledger: Ledger | None = None) -> None:
+        self.cfg, self.ledger = cfg, ledger
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        faults.maybe_fail(trainer.global_step, trainer.global_rank, self.cfg)
+        faults.maybe_fail(trainer.global_step, trainer.global_rank, self.cfg, self.ledger)
 
 
 class StepStatsCallback(pl.Callback):

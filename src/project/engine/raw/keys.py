@@ -47,6 +47,7 @@ CONSUMED = {
     "callbacks.fault_tolerance.every_n_train_steps",
     "callbacks.fault_tolerance.every_n_seconds",
     "fault_injection.at_step", "fault_injection.rank", "fault_injection.mode",
+    "fault_injection.slow_ms", "stragglers", "stragglers.*",
 }  # fmt: skip
 PRESENTATION = {
     "task_name", "tags", "paths.*", "trainer._target_",

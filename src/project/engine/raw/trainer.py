@@ -20,6 +20,7 @@ Lightning's. What had to match for that is marked "parity:".
 | limit_*_batches, fast_dev_run                      | `n_batches`                           |
 | ModelCheckpoint (best), EarlyStopping              | `save_best`, raw/early_stopping.py    |
 | RunState: last checkpoint, stop on a signal        | `save_last`, `check_stop`, `load`     |
+| RunState: ledger, hang watchdog, stragglers        | `fit`, `check_stop`, `outside_steps`  |
 | (paths, what a checkpoint carries: both trainers)  | engine/checkpoints/run.py             |
 | TensorBoardLogger, LearningRateMonitor             | `log_scalar`                          |
 """
@@ -45,7 +46,8 @@ from project.engine.checkpoints.state import atomic_save
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
-from project.engine.distributed import ddp, faults
+from project.engine.distributed import ddp, faults, hangs
+from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.ddp import CollectiveTimeout, Topology
 from project.engine.distributed.exits import Preempted, close_process_group
 from project.engine.errors import UserError
@@ -53,6 +55,7 @@ from project.engine.launch import env
 from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
 from project.engine.raw.rng import isolated_rng, seed_everything
+from project.engine.run import watch
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.engine.shared.step_stats import StepStats
@@ -87,8 +90,9 @@ class RawTrainer:
 
     def __init__(self, run: Run) -> None:
         cfg, t = run.cfg, run.cfg.trainer
-        self.cfg, self.output_dir = cfg, run.output_dir
+        self.cfg, self.output_dir, self.run = cfg, run.output_dir, run
         self.checkpoints = run.checkpoints  # paths and what every checkpoint carries
+        self.ledger = run.ledger  # what this rank is doing (the hang report, goodput)
         check_config(cfg)
         self.setup_distributed(run.topology)
         self.setup_data()
@@ -133,6 +137,7 @@ class RawTrainer:
         self.best: float | None = None
         self.early = EarlyStopping(cfg.callbacks.get("early_stopping"))
         self.resumed = False
+        self.watch: watch.Watch | None = None
 
     # --- set-up ------------------------------------------------------------------------------
     def setup_distributed(self, topology: Topology) -> None:
@@ -206,6 +211,17 @@ class RawTrainer:
         if self.writer is not None:
             self.writer.add_scalar(name, value, step)
 
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.log_scalar(name, value, step)
+
+    def outside_steps(self, phase: int) -> None:
+        """Anything but a training step begins: long timeouts, the ledger, no step timing."""
+        self.timeouts.outside_steps()
+        self.ledger.mark(phase, self.global_step)
+        if self.stop.stragglers is not None:
+            self.stop.stragglers.pause()
+
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.autocast_dtype
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
@@ -247,6 +263,7 @@ class RawTrainer:
                 with self.autocast():
                     loss = self.task.step(batch, self.metrics[stage])
                 self.metrics[stage]["loss"].update(loss)
+                self.ledger.touch()  # a long validation is progress, not a hang
         self.task.train()
         return self.compute(stage)
 
@@ -277,12 +294,16 @@ class RawTrainer:
             with self.autocast():
                 loss = self.model(batch, self.metrics["train"])
             # parity: Lightning divides by the accumulation count before backward.
+            began = time.perf_counter()
             self.scaler.scale(loss / accumulate).backward()
+            if sync and self.stop.stragglers is not None:
+                self.stop.stragglers.synced(time.perf_counter() - began)
         loss = loss.detach()
         self.metrics["train"]["loss"].update(loss)
         return loss
 
     def optimizer_step(self) -> None:
+        self.ledger.mark(ledgers.OPTIMIZER, self.global_step)
         self.scaler.unscale_(self.optimizer)
         if self.clip_val:
             params = self.task.parameters()
@@ -301,12 +322,18 @@ class RawTrainer:
     def check_stop(self) -> None:
         """At an accumulation window start (no partial gradients to lose): every few windows
         the ranks agree whether to save last.pt and whether to stop (distributed/signals.py)."""
+        stragglers = self.stop.stragglers
+        if stragglers is not None:
+            stragglers.window_end()
         self.timeouts.in_steps()
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
             self.save_last()
         if stop:
             raise Preempted(self.global_step, self.checkpoints.last)
+        self.ledger.mark(ledgers.STEP, self.global_step)
+        if stragglers is not None:
+            stragglers.window_start()
 
     def train_epoch(self, epoch: int) -> None:
         """One epoch of optimizer steps; resumes after the batches a checkpoint had done."""
@@ -345,13 +372,13 @@ class RawTrainer:
                 self.log_scalar("train/loss_step", loss.item(), self.global_step)
                 rate = self.throughput.rate()
                 self.log_scalar(f"train/{self.task.unit}_per_s", rate, self.global_step)
-            faults.maybe_fail(self.global_step, self.rank, self.fault_injection)
+            faults.maybe_fail(self.global_step, self.rank, self.fault_injection, self.ledger)
         self.batch_in_epoch = 0
 
     def end_epoch(self, epoch: int) -> tuple[dict[str, float], bool]:
         """Train metrics, epoch scheduler step, validation, logging, best checkpoint.
         Returns the epoch's metrics and whether validation ran."""
-        self.timeouts.outside_steps()
+        self.outside_steps(ledgers.EPOCH_END)
         t = self.cfg.trainer
         metrics = self.compute("train")
         epoch_due = (epoch + 1) % self.sched_every == 0
@@ -360,6 +387,7 @@ class RawTrainer:
         n_val = self.n_batches("val")
         validate = n_val > 0 and (epoch + 1) % int(t.check_val_every_n_epoch) == 0
         if validate:
+            self.ledger.mark(ledgers.VALIDATION, self.global_step)
             metrics.update(self.evaluate("val", n_val))
         for name, value in metrics.items():
             self.log_scalar(name, value, self.global_step)
@@ -375,6 +403,8 @@ class RawTrainer:
         metrics: dict[str, float] = {}
         self.stop.install()
         self.stop.mark_saved(self.global_step)  # a resumed run starts from a checkpoint
+        self.watch = watch.start(self.run, self.rank, self.world, self.global_step, self.timeouts,
+                                 self.stop, self.log_metrics if self.writer else None)  # fmt: skip
         try:
             self.sanity_check()
             self.task.train()
@@ -388,11 +418,15 @@ class RawTrainer:
                     break
                 if self.checkpoints.periodic and epoch + 1 < max_epochs:
                     self.save_last()  # every epoch end (the last one is saved as finished)
+        except RuntimeError as err:
+            hangs.report_peer_failure(err)  # a dead peer: the report (it never returns)
+            raise
         finally:
             self.stop.restore()
         self.checkpoints.finish(metrics)
         if self.checkpoints.saves_at_end() and not t.get("fast_dev_run"):
             self.save_last()
+        watch.end(self.watch, self.global_step, self.log_metrics if self.writer else None)
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)
         return metrics
@@ -400,7 +434,7 @@ class RawTrainer:
     # --- checkpoints (paths and the template's entries: project.engine.checkpoints.run) -----
     def save_last(self) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
-        self.timeouts.outside_steps()  # the others wait while rank 0 writes
+        self.outside_steps(ledgers.CHECKPOINT)  # the others wait while rank 0 writes
         began, path = time.monotonic(), self.checkpoints.last
         self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
         if self.is_zero:
@@ -443,7 +477,8 @@ class RawTrainer:
 
     def load(self, path: str | Path, weights_only: bool = False) -> None:
         """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        with self.ledger.during(ledgers.RELOAD):
+            state = torch.load(path, map_location=self.device, weights_only=True)
         self.task.load_state_dict(state["model"])
         if weights_only:
             return

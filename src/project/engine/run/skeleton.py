@@ -27,6 +27,7 @@ from project.engine.config.compose import check_targets, to_plain
 from project.engine.config.schema import check_schema
 from project.engine.data.worker_start import configure_worker_start
 from project.engine.distributed.exits import EXIT_PREEMPTED, Preempted, close_process_group
+from project.engine.distributed.ledger import Ledger
 from project.engine.errors import UserError
 from project.engine.launch.env import is_rank_zero
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
@@ -62,6 +63,8 @@ class Run:
     topology: Topology
     resume: Resume  # where training continues from (or the finished run it only tests)
     checkpoints: RunCheckpoints  # its checkpoints' paths and state (engine.checkpoints.run)
+    # this rank's record: what it is doing, where its time went (none: no file)
+    ledger: Ledger = field(default_factory=lambda: Ledger(None, 1))
     position: Position | None = None  # where the resumed epoch stood (engine.data.elastic)
 
     @property
@@ -119,6 +122,7 @@ def preflight(
     from project.engine.checkpoints.resume import find_resume, training_identity
     from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.data.elastic import asked
+    from project.engine.distributed.ledger import flight_recorder_env
 
     plain = to_plain(cfg)
     checkpoints = RunCheckpoints(cfg, output_dir, entry.last_name, training_identity(plain),
@@ -127,7 +131,9 @@ def preflight(
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg, skip=entry.skip_targets)
-    return Run(cfg, output_dir, topology, resume, checkpoints)
+    flight_recorder_env()  # before any process group: the hang report reads it
+    ledger = Ledger(output_dir, topology.world_size)
+    return Run(cfg, output_dir, topology, resume, checkpoints, ledger)
 
 
 def fit_world(run: Run) -> None:
@@ -196,13 +202,18 @@ def fit_and_test_then_stop(
 ) -> dict[str, float]:
     """`fit_and_test` with a dead peer or unused parameters reported in one line and a
     coordinated stop turned into exit 143; the process group is closed after a finished run
-    or a stop."""
+    or a stop; rank 0 adds the attempt to goodput.json however it ended."""
+    from project.engine.distributed import ledger as ledgers
     from project.engine.distributed.ddp import errors_reported
+    from project.engine.run import goodput, watch
 
+    how = ledgers.ENDED_FAILED
     try:
         with errors_reported():
             metrics = fit_and_test(run)
+        how = ledgers.ENDED_OK
     except Preempted as stop:
+        how = ledgers.ENDED_STOPPED
         if is_rank_zero():
             saved = f"{stop.checkpoint.name} is saved" if stop.checkpoint else "nothing saved"
             log.info(
@@ -211,6 +222,11 @@ def fit_and_test_then_stop(
             )
         close_process_group()  # every rank agreed to stop: the group is healthy
         sys.exit(EXIT_PREEMPTED)
+    finally:
+        watch.stop_watching()
+        if run.ledger.opened:
+            goodput.close(run.ledger, how)
+            run.ledger.close()
     close_process_group()
     return metrics
 

@@ -1,0 +1,341 @@
+"""The hang report: which rank, which collective, where, on one screen.
+
+A watchdog thread on every rank compares the time since the rank's last ledger mark
+(project.engine.distributed.ledger) with the deadline of the phase it is in: the short one
+(`strategy.step_timeout_s`) inside the training steps after the first, the long one
+(`strategy.timeout`) until then and around validation and checkpoint saves (the same phases
+as the collective timeouts, project.engine.distributed.ddp.CollectiveTimeout, which are set
+a little longer, so the report comes first). When it passes, or when a collective fails
+because a peer died (`ddp.errors_reported`), every live rank
+
+1. writes `<run>/hang/rank-<R>.json` (step, phase, collectives issued, its last collectives
+   from torch's Flight Recorder) and `rank-<R>.txt` (every thread's Python stack);
+2. rank 0 waits up to GATHER_S for the others' reports (a rank whose process is gone on this
+   host is not waited for: its ledger file says where it was, its `.crash` file the stack of
+   a fatal signal), prints one screen (at most ~30 lines) on stderr and keeps it in
+   `hang/report.txt`: where each rank is, which rank is behind (it never issued the
+   collective the others wait in) or which collective does not match across ranks, and the
+   innermost frame of project or user code of each;
+3. every rank exits with EXIT_HUNG (a stall) or EXIT_FAILED (a peer died), the others once
+   rank 0 has begun its report (or is gone), so that Lightning's launcher does not kill rank
+   0 while it writes; rank 0 then kills the ranks that launcher started: no process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from project.engine.distributed import ledger as ledgers
+from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG, record_exit
+from project.engine.distributed.ledger import Ledger, Record
+from project.engine.private_api import collective_counter, flight_recorder, pause_child_observer
+
+FOLDER = "hang"
+GATHER_S = 10.0  # how long rank 0 waits for the other ranks' reports
+SCREEN = "report.txt"
+DOCS = "docs/troubleshooting.md#a-hang-report"
+
+_active: Watchdog | None = None
+
+
+def active() -> Watchdog | None:
+    """The watchdog of this process while training runs (None outside, or one process)."""
+    return _active
+
+
+class Watchdog:
+    """One per rank while training runs: `start()` at train start, `stop()` at its end."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        deadline: Callable[[], float],
+        run_dir: Path,
+        kill_children: Callable[[], None] | None = None,
+        on_end: Callable[[int], None] | None = None,
+    ) -> None:
+        self.ledger, self.deadline = ledger, deadline
+        self.folder = run_dir / FOLDER
+        self.kill_children, self.on_end = kill_children, on_end
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+
+    def start(self) -> None:
+        global _active
+        self.ledger.attach(collective_counter())
+        _active = self
+        self._thread.start()
+
+    def stop(self) -> None:
+        global _active
+        self._stop.set()
+        if _active is self:
+            _active = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.deadline() / 20)):
+            stalled = time.monotonic() - self.ledger.progress
+            if stalled > self.deadline():
+                self.report(f"no progress for {stalled:.0f} s (deadline {self.deadline():.0f} s)",
+                            code=EXIT_HUNG)  # fmt: skip
+
+    def report(self, reason: str, code: int, error: BaseException | None = None) -> NoReturn:
+        """Write this rank's report; rank 0 the screen; exit `code` (never returns)."""
+        if not self._lock.acquire(blocking=False):
+            while True:  # the other thread is reporting and will end the process
+                time.sleep(60)
+        stalled = time.monotonic() - self.ledger.progress
+        where = {"step": self.ledger.step, "phase": self.ledger.phase, "seq": self.ledger.seq()}
+        self.ledger.stalled()  # the time since the last mark: detection (goodput)
+        if self.ledger.rank == 0 and "lightning" in sys.modules:
+            pause_child_observer()
+        write_own(self.folder, self.ledger.rank, where, stalled, reason, error)
+        if self.ledger.rank == 0:
+            lines = screen(self.folder, self.ledger.world, reason, code)
+            sys.stderr.write("\n".join(lines) + "\n")
+            sys.stderr.flush()
+            _atomic_text(self.folder / SCREEN, "\n".join(lines) + "\n")
+            if self.on_end is not None:
+                self.on_end(code)
+            if self.kill_children is not None:
+                self.kill_children()
+        else:  # Lightning's launcher kills rank 0 when a rank ends first: until rank 0 has
+            # begun its report (it then stops that watcher), or is gone, this rank stays.
+            started = self.folder / "rank-0.json"
+            wait_for(lambda: started.is_file() or _gone(self.folder.parent / ledgers.FOLDER, 0),
+                     GATHER_S)  # fmt: skip
+        record_exit(code)
+        os._exit(code)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """gloo/NCCL errors that mean "the other side is gone", not a bug in this process."""
+    text = str(err)
+    markers = ("Connection closed by peer", "Connection reset by peer", "timed out",
+               "Timed out", "NCCL communicator was aborted", "Broken pipe")  # fmt: skip
+    return type(err).__name__ == "DistBackendError" or any(m in text for m in markers)
+
+
+def report_peer_failure(err: BaseException) -> None:
+    """A collective failed because a peer died or timed out: the hang report (never returns)
+    while training runs. Called where the error surfaces, before the stop's signal handlers
+    are put back: a launcher's SIGTERM to the survivors must not cut the report short."""
+    if _active is not None and isinstance(err, RuntimeError) and is_peer_failure(err):
+        text = re.sub(r"\[[^\]]*\]\s*", "", str(err).splitlines()[0]).split(". ")[0]
+        _active.report(f"a collective failed: {text[:100]}", code=EXIT_FAILED, error=err)
+
+
+def wait_for(done: Callable[[], bool], seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def collectives(limit: int = 12) -> list[dict[str, Any]]:
+    """The default process group's last collectives from the Flight Recorder."""
+    rows = []
+    for e in flight_recorder():
+        if e.get("process_group", ["", "default_pg"])[1] != "default_pg" or e.get("is_p2p"):
+            continue
+        rows.append({
+            "seq": e["collective_seq_id"], "op": e["profiling_name"].split(":")[-1],
+            "sizes": e.get("input_sizes", []), "done": bool(e.get("retired")),
+            "issued_at": ledgers.where(e["frames"]) if e.get("frames") else None,
+        })  # fmt: skip
+    return rows[-limit:]
+
+
+def write_own(
+    folder: Path, rank: int, where: dict[str, int], stalled: float, reason: str,
+    error: BaseException | None,
+) -> None:  # fmt: skip
+    """This rank's report (`where`: its step, phase and collectives issued when it stalled):
+    JSON for rank 0's screen, text with every thread's stack."""
+    import socket
+    import traceback
+
+    folder.mkdir(parents=True, exist_ok=True)
+    main, stacks = ledgers.thread_stacks()
+    if (tb := None if error is None else error.__traceback__) is not None:
+        # where the failing call was made: the frames down to where it was caught, then its
+        main = traceback.extract_stack(tb.tb_frame)[:-1] + traceback.extract_tb(tb)
+    own = {
+        "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), **where,
+        "stalled_s": round(stalled, 1), "reason": reason,
+        "error": None if error is None else str(error).splitlines()[0][:200],
+        "where": ledgers.where(main) if main else "?", "collectives": collectives(),
+    }  # fmt: skip
+    text = [f"rank {rank} on {own['host']} (pid {own['pid']}): {reason}",
+            f"step {own['step']}, {ledgers.PHASES[own['phase']]}, {own['seq']} collectives issued",
+            *(f"  #{c['seq']} {c['op']} {c['sizes']} {'done' if c['done'] else 'NOT DONE'}"
+              f"{' from ' + c['issued_at'] if c['issued_at'] else ''}"
+              for c in own["collectives"]), "", stacks]  # fmt: skip
+    _atomic_text(folder / f"rank-{rank}.txt", "\n".join(text))
+    _atomic_text(folder / f"rank-{rank}.json", json.dumps(own))
+
+
+def gather(folder: Path, world: int, seconds: float = GATHER_S) -> dict[int, dict[str, Any]]:
+    """The ranks' reports, waiting for those whose process may still write one."""
+    reports: dict[int, dict[str, Any]] = {}
+    ledger_dir = folder.parent / ledgers.FOLDER
+
+    def complete() -> bool:
+        for r in range(world):
+            path = folder / f"rank-{r}.json"
+            if r not in reports and path.is_file():
+                reports[r] = json.loads(path.read_text())
+        missing = [r for r in range(world) if r not in reports]
+        return all(_gone(ledger_dir, r) for r in missing)
+
+    wait_for(complete, seconds)
+    return reports
+
+
+def _gone(ledger_dir: Path, rank: int) -> bool:
+    record = ledgers.read(ledger_dir / f"rank-{rank}.bin")
+    return record is not None and record.alive() is False
+
+
+def screen(folder: Path, world: int, reason: str, code: int) -> list[str]:
+    """The one screen: each group of ranks in the same place, then what it means."""
+    reports = gather(folder, world)
+    ledger_dir = folder.parent / ledgers.FOLDER
+    rows = {r: _row(reports.get(r), ledgers.read(ledger_dir / f"rank-{r}.bin"),
+                    ledger_dir / f"rank-{r}.crash") for r in range(world)}  # fmt: skip
+    what = "stalled" if code == EXIT_HUNG else "failed"
+    lines = [f"hang report: the job {what} ({reason}); {world} ranks:"]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for r, row in rows.items():
+        groups.setdefault(row["cells"], []).append(r)
+    table = [(f"rank {_ranks(ranks)}", *cells) for cells, ranks in list(groups.items())[:16]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
+                     + "  " + row[-1])  # fmt: skip
+    lines += verdict(rows)
+    lines.append(f"  every rank's stacks and last collectives: {folder}/rank-<R>.txt")
+    lines.append(f"  exit {code}; how to read this: {DOCS}")
+    return lines[:30]
+
+
+def _row(report: dict[str, Any] | None, record: Record | None, crash: Path) -> dict[str, Any]:
+    """What one rank was doing: from its report, else (dead, or stuck holding the GIL) from
+    its ledger file and the stack a fatal signal left. `cells`: step, phase, state, where."""
+    if report is not None:
+        pending = [c for c in report["collectives"] if not c["done"]]
+        if pending:
+            c = pending[-1]
+            state = f"waits in #{c['seq']} {c['op']} {_sizes(c['sizes'])}"
+        else:
+            state = f"in no collective (issued #{report['seq']})"
+        phase = ledgers.PHASES[report["phase"]]
+        cells = (f"step {report['step']}", phase, state, f"at {report['where']}")
+        latest = next((c for c in report["collectives"] if c["seq"] == report["seq"]), None)
+        return {"seq": report["seq"], "phase": phase, "step": report["step"], "op": latest,
+                "pending": pending[-1] if pending else None, "cells": cells,
+                "dead": False}  # fmt: skip
+    if record is None:
+        return {"seq": None, "phase": "?", "step": None, "op": None, "dead": True,
+                "cells": ("", "", "no report, no ledger", "(never started training)")}  # fmt: skip
+    how = {False: f"died (pid {record.pid} gone)", None: "no report (another host)",
+           True: "no report (stuck holding the GIL?)"}[record.alive()]  # fmt: skip
+    at = _crash_frame(crash)
+    cells = (f"step {record.step}", record.phase_name, f"{how}, issued #{record.seq}",
+             f"crash at {at}" if at else "")  # fmt: skip
+    return {"seq": record.seq, "phase": record.phase_name, "step": record.step, "op": None,
+            "cells": cells, "dead": True}  # fmt: skip
+
+
+def _crash_frame(crash: Path) -> str | None:
+    """The innermost user frame of the main thread in faulthandler's dump, if it wrote one."""
+    try:
+        text = crash.read_text()
+    except OSError:
+        return None
+    blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if 'File "' in b]
+    if not blocks:
+        return None
+    main = next((b for b in blocks if " in <module>" in b), blocks[-1])  # the main thread
+    frames = []
+    for line in main.splitlines():
+        if (found := re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)) is not None:
+            frames.insert(0, {"filename": found[1], "line": found[2], "name": found[3]})
+    return ledgers.where(frames) if frames else None
+
+
+def verdict(rows: dict[int, dict[str, Any]]) -> list[str]:
+    """Which rank(s) the others wait for, or which collective does not match."""
+    known = {r: row for r, row in rows.items() if row["seq"] is not None}
+    if not known:
+        return []
+    top = max(row["seq"] for row in known.values())
+    behind = sorted(r for r, row in known.items() if row["seq"] < top)
+    ahead = sorted(r for r, row in known.items() if row["seq"] == top)
+    if behind:
+        first = min(known[r]["seq"] for r in behind) + 1
+        waiting = next((known[r]["pending"] for r in ahead if known[r].get("pending")), None)
+        where = f" ({waiting['op']} {_sizes(waiting['sizes'])})" if waiting else ""
+        return [f"  => rank {_ranks(behind)} never issued collective #{first}{where} that rank "
+                f"{_ranks(ahead)} issued: the job waits for rank {_ranks(behind)}, at the "
+                "frame shown"]  # fmt: skip
+    kinds: dict[str, list[int]] = {}
+    for r in ahead:
+        row = known[r]
+        op = f"{row['op']['op']} {_sizes(row['op']['sizes'])}" if row["op"] else "an unknown op"
+        kinds.setdefault(f"{op} in {row['phase']}", []).append(r)
+    if len(kinds) > 1:
+        sizes = sorted(kinds.items(), key=lambda kv: len(kv[1]))
+        extra = (
+            [r for _, ranks in sizes[:-1] for r in ranks]
+            if len(sizes[-1][1]) > len(sizes[-2][1])
+            else [r for r in ahead if known[r]["phase"] not in _STEP_PHASES]
+        )
+        lines = [f"  => collective #{top} does not match across ranks (a desync): "
+                 + "; ".join(f"rank {_ranks(rs)}: {k}" for k, rs in kinds.items())]  # fmt: skip
+        if extra:
+            lines.append(f"  => rank {_ranks(extra)} issued a collective the others did not "
+                         f"(#{top}): rank-dependent code around the frame shown")  # fmt: skip
+        return lines
+    if any(row["dead"] for row in rows.values()):
+        dead = sorted(r for r, row in rows.items() if row["dead"])
+        return [f"  => rank {_ranks(dead)} died: the others lost their peer (its output and "
+                "crash file say why)"]  # fmt: skip
+    return [f"  => every rank waits in collective #{top}: the transport stalled (network, a "
+            "wedged device: on CUDA see the Flight Recorder dumps, docs)"]  # fmt: skip
+
+
+_STEP_PHASES = {ledgers.PHASES[p] for p in (ledgers.STEP, ledgers.OPTIMIZER, ledgers.STOP_CHECK)}
+
+
+def _sizes(sizes: list[list[int]]) -> str:
+    return ",".join(str(s) for s in sizes) if sizes else "[]"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 2, 3, 4] -> "0,2-4"."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)

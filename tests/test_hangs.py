@@ -1,0 +1,216 @@
+"""Hangs, desyncs and stragglers named on one screen, and what a failure cost (goodput), with
+real processes: 2 gloo ranks under torchrun and Lightning's own launcher, both trainers.
+The screen's logic and the ledger file are also checked alone (quick tier)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from project.engine.distributed import hangs
+from project.engine.distributed import ledger as ledgers
+from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG
+from project.engine.distributed.stragglers import Stragglers
+from project.engine.launch.torchrun import TRAINERS
+from project.engine.run import goodput
+from tests.helpers import ROOT, finish, launcher, read_scalars, start
+
+ARGS = ["trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null",
+        "trainer.accelerator=cpu"]  # fmt: skip
+HANG = ["fault_injection.at_step=15", "fault_injection.rank=1", "strategy.step_timeout_s=5"]
+JOBS = {  # how a 2-process job is started: torchrun (both trainers), Lightning's own launcher
+    **{f"torchrun-{name}": lambda args, m=module: launcher(["-m", m, *args])
+       for name, module in TRAINERS.items()},
+    "lightning-launcher": lambda args: [sys.executable, str(ROOT / "train.py"), *args,
+                                        "trainer.devices=2"],
+}  # fmt: skip
+
+
+def run_job(job: str, args: list[str], run_id: str, timeout: float = 240) -> tuple[int, str, float]:
+    began = time.monotonic()
+    code, out = finish(start(JOBS[job](args), RUN_ID=run_id), timeout)
+    return code, out, time.monotonic() - began
+
+
+def screen(out: str) -> str:
+    """The hang report as printed (from its first line to its exit line)."""
+    found = re.search(r"hang report:.*?exit \d+; how to read this: \S+", out, re.S)
+    assert found, out[-3000:]
+    return found[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("job", list(JOBS))
+def test_a_hung_rank_is_named_with_its_frame_and_the_job_ends(base_args, log_dir, job) -> None:
+    """Rank 1 stops responding at step 15: within the step timeout (5 s) plus 30 s the job
+    ends with exit 124, one screen names rank 1, the collective the others wait in and the
+    project frame rank 1 is stuck in; every rank's stacks are in the run folder; no process
+    is left (finish() checks)."""
+    code, out, _ = run_job(job, [*base_args, *ARGS, *HANG, "fault_injection.mode=hang"], "hang")
+    assert code == EXIT_HUNG, out[-3000:]
+    report = screen(out)
+    assert len(report.splitlines()) <= 30
+    rank1 = next(line for line in report.splitlines() if line.strip().startswith("rank 1 "))
+    assert "step 15" in rank1 and "faults.py" in rank1 and "maybe_fail" in rank1, report
+    waited = re.search(r"rank 1 never issued collective #(\d+) \(all_reduce \[\d+\]\)", report)
+    assert waited, report
+    run = log_dir / "train/runs/hang"
+    assert (run / "hang/report.txt").read_text().strip() == report.strip()
+    stacks = (run / "hang/rank-1.txt").read_text()
+    assert "maybe_fail" in stacks and f"#{int(waited[1]) - 1}" in stacks
+    cost = json.loads((run / "goodput.json").read_text())
+    assert cost["attempts"][-1]["how"] == "hung"
+    assert 5 <= cost["buckets"]["detection"] < 5 + 30  # the stall until the report, and it
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("job", ["torchrun-raw", "lightning-launcher"])
+def test_a_desync_names_the_rank_with_the_extra_collective(base_args, log_dir, job) -> None:
+    """Rank 1 issues one all-reduce the other rank does not: gloo aborts one side; the screen
+    names the collective's sequence number, what each rank issued there and rank 1."""
+    args = [*base_args, *ARGS, *HANG, "fault_injection.mode=desync"]
+    code, out, _ = run_job(job, args, "desync")
+    assert code == EXIT_FAILED, out[-3000:]
+    report = screen(out)
+    found = re.search(r"collective #(\d+) does not match across ranks", report)
+    assert found, report
+    assert f"rank 1 issued a collective the others did not (#{found[1]})" in report
+    assert "all_reduce" in report and "fault injection" in report
+
+
+@pytest.mark.distributed
+def test_a_slow_rank_is_named_and_a_balanced_run_names_none(base_args, log_dir) -> None:
+    """Rank 1's steps take 30 ms longer from step 10: a straggler line names it within 50
+    steps and every rank's times reach TensorBoard; the same run without the fault names no
+    one. (torchrun, the raw trainer; both trainers share the detection.)"""
+    args = [*base_args, *ARGS, "trainer.max_epochs=7"]
+    slow = [*args, "fault_injection.at_step=10", "fault_injection.rank=1",
+            "fault_injection.mode=slow", "fault_injection.slow_ms=30"]  # fmt: skip
+    code, out, _ = run_job("torchrun-raw", slow, "slow")
+    assert code == 0, out[-3000:]
+    found = re.search(r"straggler: rank 1 works .* up to step (\d+)", out)
+    assert found and int(found[1]) <= 10 + 50, out[-3000:]
+    scalars = read_scalars(log_dir / "train/runs/slow/tensorboard")
+    busy = dict(scalars["ranks/busy_ms/rank1"])
+    assert max(busy.values()) > 25 + max(v for _, v in scalars["ranks/busy_ms/rank0"])
+    code, out, _ = run_job("torchrun-raw", args, "balanced")
+    assert code == 0, out[-3000:]
+    assert "straggler:" not in out
+    assert "ranks/busy_ms/rank1" in read_scalars(log_dir / "train/runs/balanced/tensorboard")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_goodput_after_a_sigkill_and_one_torchrun_restart(base_args, log_dir, trainer) -> None:
+    """A rank SIGKILLed at step 25, checkpoints every 10 steps, torchrun restarts once: the
+    resumed attempt trains steps 21-25 again (recomputed_steps 5), the buckets sum to wall_s,
+    and wall_s is the job's own duration (less the launcher's start and exit)."""
+    args = [*base_args, *ARGS, "fault_injection.at_step=25", "fault_injection.rank=1",
+            "callbacks.fault_tolerance.every_n_train_steps=10"]  # fmt: skip
+    began = time.monotonic()
+    proc = start([str(ROOT / "launch/single_node.sh"), *args], NPROC_PER_NODE="2",
+                 MAX_RESTARTS="1", TRAINER=trainer, RUN_ID="restarted")  # fmt: skip
+    code, out = finish(proc, 240)
+    elapsed = time.monotonic() - began
+    assert code == 0 and "esum" in out, out[-3000:]  # "Resumed from" / "resuming from"
+    run = log_dir / "train/runs/restarted"  # the restarted group used the same folder
+    cost = json.loads((run / "goodput.json").read_text())
+    assert cost["recomputed_steps"] == 5, cost
+    assert [a["how"] for a in cost["attempts"]] == ["failed", "finished"]
+    assert abs(sum(cost["buckets"].values()) - cost["wall_s"]) <= 0.05 * cost["wall_s"]
+    assert 0.6 * elapsed < cost["wall_s"] <= elapsed, (cost, elapsed)
+    assert cost["buckets"]["recomputed"] > 0 and cost["buckets"]["productive"] > 0
+    assert "Goodput:" in out
+    logged = read_scalars(run / "tensorboard")
+    assert logged["goodput/recomputed_steps"][-1][1] == 5
+
+
+# --- the screen's logic and the ledger, without processes ---------------------------------
+def row(rank: int, seq: int, phase: int, step: int, pending: tuple | None, where: str) -> dict:
+    collectives = [{"seq": seq - 1, "op": "all_reduce", "sizes": [[8]], "done": True}]
+    if pending:
+        collectives.append({"seq": seq, "op": pending[0], "sizes": [pending[1]], "done": False})
+    return {"rank": rank, "seq": seq, "phase": phase, "step": step, "where": where,
+            "collectives": collectives}  # fmt: skip
+
+
+@pytest.mark.quick
+def test_the_screen_names_the_rank_behind_and_a_mismatch(tmp_path: Path) -> None:
+    folder = tmp_path / "hang"
+    folder.mkdir()
+    reports = {
+        0: row(0, 75, ledgers.STEP, 15, ("all_reduce", [850]), "trainer.py:298 backward"),
+        1: row(1, 74, ledgers.FAULT, 15, None, "faults.py:56 maybe_fail"),
+        2: row(2, 75, ledgers.STEP, 15, ("all_reduce", [850]), "trainer.py:298 backward"),
+    }
+    for r, report in reports.items():  # fmt: skip
+        (folder / f"rank-{r}.json").write_text(json.dumps(report))
+    lines = hangs.screen(folder, 3, "no progress", EXIT_HUNG)
+    text = "\n".join(lines)
+    assert "rank 0,2 " in text  # ranks in the same place share a line
+    assert "rank 1 never issued collective #75 (all_reduce [850]) that rank 0,2 issued" in text
+    reports[1] = row(1, 75, ledgers.FAULT, 15, ("all_reduce", [1]), "faults.py:71 extra")
+    (folder / "rank-1.json").write_text(json.dumps(reports[1]))
+    text = "\n".join(hangs.screen(folder, 3, "a collective failed", EXIT_FAILED))
+    assert "collective #75 does not match across ranks" in text
+    assert "rank 1 issued a collective the others did not (#75)" in text  # the minority
+
+
+@pytest.mark.quick
+def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path) -> None:
+    """The ledger file outlives its process: the screen says where a rank that left no
+    report was (its step, phase, collectives issued) and that its process is gone."""
+    import subprocess
+
+    code = ("from pathlib import Path; from project.engine.distributed import ledger as l; "
+            f"g = l.Ledger(Path({str(tmp_path)!r}), 2); g.open(1); g.attach(lambda: 41); "
+            "g.mark(l.FAULT, 20); import os; os.kill(os.getpid(), 9)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == -9
+    record = ledgers.read(tmp_path / "ledger/rank-1.bin")
+    assert record is not None and record.alive() is False
+    assert (record.step, record.phase_name, record.seq) == (20, "fault injection", 41)
+    folder = tmp_path / "hang"
+    folder.mkdir()
+    (folder / "rank-0.json").write_text(
+        json.dumps(row(0, 41, ledgers.STEP, 20, ("all_reduce", [850]), "trainer.py:298 backward"))
+    )
+    text = "\n".join(hangs.screen(folder, 2, "a collective failed", EXIT_FAILED))  # fmt: skip
+    assert f"died (pid {record.pid} gone), issued #41" in text, text
+
+
+@pytest.mark.quick
+def test_stragglers_need_patience_and_a_margin() -> None:
+    logged: list[dict] = []
+    s = Stragglers(0, 3, share=0.2, min_ms=5, patience=3, warn_every_n_steps=100,
+                   log_metrics=lambda m, step: logged.append(m))  # fmt: skip
+    balanced = [10.0, 5.0, 11.0, 5.0, 10.5, 5.0]  # busy, sync per rank: within the margin
+    for step in (10, 20, 30, 40):
+        s.judge(balanced, step)
+    assert s.named == [] and logged[-1]["ranks/busy_ms/rank2"] == 10.5
+    slow = [10.0, 30.0, 40.0, 1.0, 10.5, 30.0]
+    s.judge(slow, 50), s.judge(slow, 60)
+    assert s.named == []  # two checks in a row: not yet
+    s.judge(slow, 70)
+    assert s.named == [1] and s.warned_at == 70
+    s.judge(slow, 80)
+    assert s.warned_at == 70  # at most one line per warn_every_n_steps
+
+
+@pytest.mark.quick
+def test_goodput_counts_gaps_only_between_attempts_of_one_job() -> None:
+    def attempt(started: float, ended: float, job: str, reached: int, resumed: int) -> dict:
+        buckets = dict.fromkeys(ledgers.BUCKETS, 0.0) | {"productive": ended - started}
+        return {"started": started, "ended": ended, "job": job, "how": "failed",
+                "buckets": buckets, "reached": reached, "resumed_from": resumed,
+                "replay_until": 25 if resumed else 0}  # fmt: skip
+
+    restarted = goodput.summarise([attempt(0, 10, "j", 25, 0), attempt(12, 20, "j", 40, 20)])
+    assert restarted["wall_s"] == 20 and restarted["buckets"]["restart"] == 2
+    assert restarted["recomputed_steps"] == 5
+    rerun = goodput.summarise([attempt(0, 10, "j", 25, 0), attempt(1000, 1008, "k", 40, 20)])
+    assert rerun["wall_s"] == 18  # a rerun days later: the gap is not the job's
