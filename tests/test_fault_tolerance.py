@@ -309,18 +309,19 @@ def test_the_step_timeout_starts_at_the_second_window_after_anything_long(monkey
     timeouts = ddp.CollectiveTimeout(5, datetime.timedelta(seconds=600), world_size=2)
     timeouts.in_steps()  # the attempt's first window (a resumed one too)
     assert set_to == []
-    assert timeouts.deadline() == 570  # the report 30 s before the collective fails
+    timeouts.start()  # the collectives wait 30 s longer than the report
+    assert set_to == [630] and timeouts.deadline() == 600
     timeouts.in_steps()
     timeouts.in_steps()
-    assert set_to == [35] and timeouts.deadline() == 5
+    assert set_to == [630, 35] and timeouts.deadline() == 5
     timeouts.outside_steps()  # a save, validation, the epoch's end
     timeouts.in_steps()
-    assert set_to == [35, 600]
+    assert set_to == [630, 35, 630]
     timeouts.in_steps()
-    assert set_to == [35, 600, 35]
+    assert set_to == [630, 35, 630, 35]
     alone = ddp.CollectiveTimeout(5, None, world_size=1)  # one process waits for no one
-    alone.in_steps(), alone.in_steps()
-    assert set_to == [35, 600, 35]
+    alone.start(), alone.in_steps(), alone.in_steps()
+    assert set_to == [630, 35, 630, 35]
     shorter = ddp.CollectiveTimeout(120, datetime.timedelta(seconds=10), world_size=2)
     shorter.in_steps(), shorter.in_steps()  # strategy.timeout below the step timeout: it wins
-    assert set_to == [35, 600, 35, 10] and shorter.deadline() == 5
+    assert set_to == [630, 35, 630, 35, 40] and shorter.deadline() == 10

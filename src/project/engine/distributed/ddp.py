@@ -244,8 +244,8 @@ def errors_reported() -> Iterator[None]:
 
 class CollectiveTimeout:
     """Two deadlines, for both trainers: how long a rank may make no progress before the hang
-    report (project.engine.distributed.hangs), and, a little longer (REPORT_S), how long a
-    collective may wait before it fails (the backstop when the report cannot run).
+    report (project.engine.distributed.hangs), and, REPORT_S longer, how long a collective
+    may wait before it fails (the backstop when the report cannot run).
 
     Until this attempt's first optimizer step has ended, `strategy.timeout` (600 s:
     process-group set-up, first-time compilation, workers starting); inside the training steps
@@ -255,8 +255,9 @@ class CollectiveTimeout:
     its connections close). The timeout is per rank and the waiting rank's counts, so the
     short one starts only at the second window after anything that can keep one rank long
     (the attempt's start, an epoch start with its workers, validation, a checkpoint save): by
-    then every rank has passed a collective since. The trainers call `in_steps` at every
-    accumulation window start and `outside_steps` before anything else.
+    then every rank has passed a collective since. The trainers call `start` when training
+    starts, `in_steps` at every accumulation window start and `outside_steps` before anything
+    else.
     """
 
     REPORT_S = 30.0  # a collective fails this much after the report's deadline
@@ -264,36 +265,36 @@ class CollectiveTimeout:
     def __init__(
         self, step_s: float | None, long: datetime.timedelta | None, world_size: int
     ) -> None:
-        self.long = long or datetime.timedelta(seconds=600)
-        step = datetime.timedelta(seconds=step_s) if step_s and world_size > 1 else None
+        self.long = (long or datetime.timedelta(seconds=600)).total_seconds()
+        step = step_s if step_s and world_size > 1 else None
         self.step = min(step, self.long) if step else None  # never longer than `timeout`
+        self.world_size = world_size
         self.windows = 0  # window starts since the last long phase
         self.short = False  # the step timeout is in force
 
-    def collective_s(self) -> float:
-        """The collective timeout in force now."""
-        if self.short and self.step is not None:
-            return min(self.step.total_seconds() + self.REPORT_S, self.long.total_seconds())
-        return self.long.total_seconds()
-
     def deadline(self) -> float:
-        """Seconds without progress before the hang report, in the current phase:
-        `step_timeout_s` in steps, else the collective timeout less REPORT_S (at least half)."""
-        timeout = self.collective_s()
-        if self.short and timeout > self.REPORT_S:  # step_timeout_s (or less, when capped)
-            return timeout - self.REPORT_S
-        return max(timeout - self.REPORT_S, timeout / 2)
+        """Seconds without progress before the hang report, in the current phase."""
+        return self.step if self.short and self.step is not None else self.long
+
+    def _set(self) -> None:
+        seconds = self.deadline() + self.REPORT_S
+        set_collective_timeout(datetime.timedelta(seconds=seconds))
+
+    def start(self) -> None:
+        """When training starts: the collectives wait REPORT_S longer than the report."""
+        if self.world_size > 1:
+            self._set()
 
     def in_steps(self) -> None:
         """At an accumulation window start."""
         self.windows += 1
         if self.step is not None and self.windows >= 2 and not self.short:
             self.short = True
-            set_collective_timeout(datetime.timedelta(seconds=self.collective_s()))
+            self._set()
 
     def outside_steps(self) -> None:
         """Before validation, a checkpoint save, the end of an epoch or of training."""
         self.windows = 0
         if self.short:
-            set_collective_timeout(self.long)
             self.short = False
+            self._set()

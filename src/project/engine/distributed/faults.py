@@ -65,7 +65,9 @@ def extra_all_reduce(ledger: Any, step: int) -> None:
     import torch
     import torch.distributed as dist
 
-    work = dist.all_reduce(torch.ones(1), async_op=True)
+    on_gpu = dist.get_backend() == "nccl"  # an NCCL group takes CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
+    work = dist.all_reduce(torch.ones(1, device=device), async_op=True)
     if ledger is not None:
         ledger.mark(FAULT, step)  # after issuing: the ledger counts it
     work.wait()

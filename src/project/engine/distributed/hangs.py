@@ -3,10 +3,11 @@
 A watchdog thread on every rank compares the time since the rank's last ledger mark
 (project.engine.distributed.ledger) with the deadline of the phase it is in: the short one
 (`strategy.step_timeout_s`) inside the training steps after the first, the long one
-(`strategy.timeout`) until then and around validation and checkpoint saves (the same phases
-as the collective timeouts, project.engine.distributed.ddp.CollectiveTimeout, which are set
-a little longer, so the report comes first). When it passes, or when a collective fails
-because a peer died (`ddp.errors_reported`), every live rank
+(`strategy.timeout` less 30 s) until then and around validation and checkpoint saves (the
+same phases as the collective timeouts, project.engine.distributed.ddp.CollectiveTimeout,
+which are set 30 s longer, so the report comes first); never less than three of the slowest
+recent steps, so a model whose steps take minutes is not reported as hung. When it passes,
+or when a collective fails because a peer died (`report_peer_failure`), every live rank
 
 1. writes `<run>/hang/rank-<R>.json` (step, phase, collectives issued, its last collectives
    from torch's Flight Recorder) and `rank-<R>.txt` (every thread's Python stack);
@@ -81,12 +82,29 @@ class Watchdog:
         if _active is self:
             _active = None
 
+    def limit(self) -> float:
+        """The phase's deadline, and never less than 3 of the slowest recent steps."""
+        return max(self.deadline(), 3 * self.ledger.window_s)
+
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.deadline() / 20)):
+        while not self._stop.wait(min(1.0, self.limit() / 20)):
             stalled = time.monotonic() - self.ledger.progress
-            if stalled > self.deadline():
-                self.report(f"no progress for {stalled:.0f} s (deadline {self.deadline():.0f} s)",
+            if stalled > (limit := self.limit()):
+                self.report(f"no progress for {stalled:.0f} s (deadline {limit:.0f} s)",
                             code=EXIT_HUNG)  # fmt: skip
+            if (peer := self._peer_report()) is not None:  # the ranks' deadlines differ
+                self.report(f"rank {peer['rank']} reported first: {peer['reason']}",
+                            code=peer.get("code", EXIT_HUNG))  # fmt: skip
+
+    def _peer_report(self) -> dict[str, Any] | None:
+        """Another rank's report of this attempt, if one was written: this rank joins it. One
+        stat a second (the folder changes when a report is written into it)."""
+        if not _current(self.folder, self.ledger.created):
+            return None
+        for path in self.folder.glob("rank-*.json"):
+            if path.name != f"rank-{self.ledger.rank}.json" and _current(path, self.ledger.created):
+                return _read(path)
+        return None
 
     def report(self, reason: str, code: int, error: BaseException | None = None) -> NoReturn:
         """Write this rank's report; rank 0 the screen; exit `code` (never returns)."""
@@ -98,9 +116,15 @@ class Watchdog:
         self.ledger.stalled()  # the time since the last mark: detection (goodput)
         if self.ledger.rank == 0 and "lightning" in sys.modules:
             pause_child_observer()
-        write_own(self.folder, self.ledger.rank, where, stalled, reason, error)
-        if self.ledger.rank == 0:
-            lines = screen(self.folder, self.ledger.world, reason, code)
+        where |= {"code": code, "reason": reason}
+        write_own(self.folder, self.ledger.rank, where, stalled, error)
+        since, ledger_dir = self.ledger.created, self.folder.parent / ledgers.FOLDER
+        if self.ledger.rank != 0:  # Lightning's launcher kills rank 0 when a rank ends
+            # first: stay until rank 0 has begun its report (it then stops that watcher)
+            started = self.folder / "rank-0.json"
+            wait_for(lambda: _current(started, since) or _gone(ledger_dir, 0), GATHER_S)
+        if self.ledger.rank == 0 or self._lowest_live(since):
+            lines = screen(self.folder, self.ledger.world, reason, code, since)
             sys.stderr.write("\n".join(lines) + "\n")
             sys.stderr.flush()
             _atomic_text(self.folder / SCREEN, "\n".join(lines) + "\n")
@@ -108,13 +132,15 @@ class Watchdog:
                 self.on_end(code)
             if self.kill_children is not None:
                 self.kill_children()
-        else:  # Lightning's launcher kills rank 0 when a rank ends first: until rank 0 has
-            # begun its report (it then stops that watcher), or is gone, this rank stays.
-            started = self.folder / "rank-0.json"
-            wait_for(lambda: started.is_file() or _gone(self.folder.parent / ledgers.FOLDER, 0),
-                     GATHER_S)  # fmt: skip
         record_exit(code)
         os._exit(code)
+
+    def _lowest_live(self, since: float) -> bool:
+        """Rank 0 is gone and no lower rank of this attempt reported: this one prints."""
+        if not _gone(self.folder.parent / ledgers.FOLDER, 0):
+            return False
+        reports = gather(self.folder, self.ledger.world, since)
+        return min(reports, default=self.ledger.rank) == self.ledger.rank
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -164,11 +190,10 @@ def collectives(limit: int = 12) -> list[dict[str, Any]]:
 
 
 def write_own(
-    folder: Path, rank: int, where: dict[str, int], stalled: float, reason: str,
-    error: BaseException | None,
-) -> None:  # fmt: skip
-    """This rank's report (`where`: its step, phase and collectives issued when it stalled):
-    JSON for rank 0's screen, text with every thread's stack."""
+    folder: Path, rank: int, where: dict[str, Any], stalled: float, error: BaseException | None
+) -> None:
+    """This rank's report (`where`: its step, phase and collectives issued when it stalled,
+    the exit code and the reason): JSON for rank 0's screen, text with every thread's stack."""
     import socket
     import traceback
 
@@ -179,11 +204,11 @@ def write_own(
         main = traceback.extract_stack(tb.tb_frame)[:-1] + traceback.extract_tb(tb)
     own = {
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), **where,
-        "stalled_s": round(stalled, 1), "reason": reason,
+        "stalled_s": round(stalled, 1),
         "error": None if error is None else str(error).splitlines()[0][:200],
         "where": ledgers.where(main) if main else "?", "collectives": collectives(),
     }  # fmt: skip
-    text = [f"rank {rank} on {own['host']} (pid {own['pid']}): {reason}",
+    text = [f"rank {rank} on {own['host']} (pid {own['pid']}): {own['reason']}",
             f"step {own['step']}, {ledgers.PHASES[own['phase']]}, {own['seq']} collectives issued",
             *(f"  #{c['seq']} {c['op']} {c['sizes']} {'done' if c['done'] else 'NOT DONE'}"
               f"{' from ' + c['issued_at'] if c['issued_at'] else ''}"
@@ -192,16 +217,33 @@ def write_own(
     _atomic_text(folder / f"rank-{rank}.json", json.dumps(own))
 
 
-def gather(folder: Path, world: int, seconds: float = GATHER_S) -> dict[int, dict[str, Any]]:
-    """The ranks' reports, waiting for those whose process may still write one."""
+def _current(path: Path, since: float) -> bool:
+    """A file written by this attempt (an earlier attempt's report is older than its start)."""
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def gather(
+    folder: Path, world: int, since: float = 0.0, seconds: float = GATHER_S
+) -> dict[int, dict[str, Any]]:
+    """This attempt's reports, waiting for the ranks whose process may still write one."""
     reports: dict[int, dict[str, Any]] = {}
     ledger_dir = folder.parent / ledgers.FOLDER
 
     def complete() -> bool:
         for r in range(world):
             path = folder / f"rank-{r}.json"
-            if r not in reports and path.is_file():
-                reports[r] = json.loads(path.read_text())
+            if r not in reports and _current(path, since) and (report := _read(path)):
+                reports[r] = report
         missing = [r for r in range(world) if r not in reports]
         return all(_gone(ledger_dir, r) for r in missing)
 
@@ -214,9 +256,9 @@ def _gone(ledger_dir: Path, rank: int) -> bool:
     return record is not None and record.alive() is False
 
 
-def screen(folder: Path, world: int, reason: str, code: int) -> list[str]:
+def screen(folder: Path, world: int, reason: str, code: int, since: float = 0.0) -> list[str]:
     """The one screen: each group of ranks in the same place, then what it means."""
-    reports = gather(folder, world)
+    reports = gather(folder, world, since)
     ledger_dir = folder.parent / ledgers.FOLDER
     rows = {r: _row(reports.get(r), ledgers.read(ledger_dir / f"rank-{r}.bin"),
                     ledger_dir / f"rank-{r}.crash") for r in range(world)}  # fmt: skip

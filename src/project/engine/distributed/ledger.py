@@ -68,12 +68,26 @@ _MAGIC = b"LDG1"
 
 
 def job_id(env: dict[str, str] | os._Environ = os.environ) -> str:
-    """The scheduler's or launcher's job: restarts and requeues of one job share it."""
-    return env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or ""
+    """The scheduler's or launcher's job: restarts and requeues of one job share it ("": none
+    known; torchrun's static rendezvous says "none")."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    return (run_id if run_id != "none" else "") or env.get("SLURM_JOB_ID") or ""
+
+
+_first_job = [True]  # a sweep runs several jobs in one process: only the first started with it
+
+
+def job_start() -> float:
+    """When this job started: the process's start for the first job in it (interpreter start
+    and imports are start-up), else now (the next job of an in-process sweep)."""
+    if not _first_job[0]:
+        return time.time()
+    _first_job[0] = False
+    return min(process_start(), time.time())  # /proc's boot time is whole seconds
 
 
 def process_start() -> float:
-    """When this process started (wall clock): interpreter start and imports are start-up."""
+    """When this process started (wall clock)."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
@@ -155,15 +169,22 @@ class Ledger:
 
     def __init__(self, run_dir: Path | None, world: int) -> None:
         self.rank, self.world = 0, world  # the rank is known once the process group is
-        self.started = process_start()
+        self.started = job_start()
+        self.created = time.time()  # before any collective of this attempt (the hang report)
         self.step, self.phase, self.at = 0, STARTUP, self.started
         self.progress = time.monotonic()  # the watchdog's clock: the latest mark or touch
         self.buckets = [0.0] * len(BUCKETS)
         self.replay_until = 0  # steps up to this one were trained before: recomputed
+        # The longest recent window (decaying): a model whose steps take minutes is not hung
+        # after step_timeout_s (project.engine.distributed.hangs).
+        self.window_s = 0.0
+        self._window_at: float | None = None
         self.resumed_after_failure = False  # start-up is then the restart's cost
         self._seq: Callable[[], int] = lambda: 0
         self._map: mmap.mmap | None = None
         self._crash: Any = None
+        self._faulthandler_was_on = False
+        self.ended = False  # the attempt's record is closed (goodput)
         self.run_dir = run_dir
         self.folder = None if run_dir is None else run_dir / FOLDER
 
@@ -189,6 +210,7 @@ class Ledger:
         self._write()
         # A fatal signal (an abort inside gloo/NCCL, a segfault) leaves every thread's stack.
         self._crash = open(self.folder / f"rank-{rank}.crash", "w")  # noqa: SIM115
+        self._faulthandler_was_on = faulthandler.is_enabled()  # e.g. pytest's
         faulthandler.enable(self._crash, all_threads=True)
 
     def attach(self, sequence_number: Callable[[], int]) -> None:
@@ -197,9 +219,15 @@ class Ledger:
 
     def mark(self, phase: int, step: int) -> None:
         """From now on this rank is in `phase` at optimizer step `step` (steps done)."""
-        now = time.time()
+        now, progress = time.time(), time.monotonic()
         self.buckets[self._bucket()] += now - self.at
-        self.phase, self.step, self.at, self.progress = phase, step, now, time.monotonic()
+        if phase == STEP:  # a window (optimizer step) starts: how long did the last one take?
+            if self._window_at is not None:
+                self.window_s = max(progress - self._window_at, 0.9 * self.window_s)
+            self._window_at = progress
+        elif phase not in TRAINING:
+            self._window_at = None  # validation, a save...: the next window is not measured
+        self.phase, self.step, self.at, self.progress = phase, step, now, progress
         self._write()
 
     @contextlib.contextmanager
@@ -247,6 +275,8 @@ class Ledger:
         """At a clean exit: the crash file goes when nothing was written to it."""
         if self._crash is not None:
             faulthandler.disable()
+            if self._faulthandler_was_on:
+                faulthandler.enable(all_threads=True)  # to stderr, as it was
             self._crash.close()
             path = Path(self._crash.name)
             if path.is_file() and path.stat().st_size == 0:

@@ -10,7 +10,8 @@ slow rank's is long and its sync short; the others' the other way round.
 The numbers travel in the stop check's all-reduce (project.engine.distributed.signals), which
 the ranks run every few steps anyway: no collective is added. Every rank gets every rank's
 means and judges the same way (no rank-dependent control flow); rank 0 says it: a rank whose
-time is more than `share` above the other ranks' median (and `min_ms` above it) at
+time is more than `share` above the ranks' median (and `min_ms` above it; of two ranks,
+above the other one) at
 `patience` checks in a row is named in one warning line, at most once every
 `warn_every_n_steps` steps, and rank 0 logs every rank's times to the tracking logger
 (`ranks/busy_ms/rank<R>`, `ranks/sync_ms/rank<R>`).
@@ -105,8 +106,11 @@ class Stragglers:
         busy, sync = values[0::2], values[1::2]
         if min(busy) <= 0:
             return  # a rank measured no whole window since the last check
+        # The others' median: of two ranks the other one; of more the median of all, which one
+        # slow rank cannot move (one sort per check, not one per rank: thousands of ranks).
+        median = statistics.median(busy)
         for r, ms in enumerate(busy):
-            base = statistics.median(b for i, b in enumerate(busy) if i != r)  # the others'
+            base = busy[1 - r] if self.world == 2 else median
             slow = ms > base * (1 + self.share) and ms - base > self.min_ms
             self.streaks[r] = self.streaks[r] + 1 if slow else 0
         if self.rank == 0 and self.log_metrics is not None:

@@ -209,7 +209,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.ledger = ledger
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if self.ledger is None:
+        if self.ledger is None or self.ledger.phase == ledgers.TEST:  # the weights to test
             return super().load_checkpoint(path, *args, **kwargs)
         with self.ledger.during(ledgers.RELOAD):
             return super().load_checkpoint(path, *args, **kwargs)

@@ -281,6 +281,7 @@ class RawTrainer:
         t = self.cfg.trainer
         sanity = min(int(t.get("num_sanity_val_steps") or 0), self.n_batches("val"))
         if sanity > 0 and not t.get("fast_dev_run") and not self.resumed:
+            self.ledger.mark(ledgers.VALIDATION, self.global_step)  # as Lightning's books it
             with isolated_rng():
                 self.evaluate("val", sanity)
 
@@ -477,7 +478,9 @@ class RawTrainer:
 
     def load(self, path: str | Path, weights_only: bool = False) -> None:
         """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
-        with self.ledger.during(ledgers.RELOAD):
+        # a resume's load is a failure's cost (goodput); the weights to test are not
+        nothing = contextlib.nullcontext()
+        with nothing if weights_only else self.ledger.during(ledgers.RELOAD):
             state = torch.load(path, map_location=self.device, weights_only=True)
         self.task.load_state_dict(state["model"])
         if weights_only:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,13 @@ def _load(run_dir: Path) -> dict[str, Any]:
 
 
 def _attempt(record: Record, resumed_from: int, replay_until: int) -> dict[str, Any]:
-    # marks count the steps done: in these phases one more had begun
-    in_step = record.ended != ledgers.ENDED_OK and record.phase in (ledgers.STEP, ledgers.OPTIMIZER)
+    """One attempt's record; `reached`: the optimizer steps it completed (a step begun and
+    lost is not trained "again")."""
     return {
         "started": record.started, "ended": record.end or record.at, "job": record.job,
         "how": ENDINGS.get(record.ended, "?"),
         "buckets": dict(zip(BUCKETS, record.buckets, strict=True)),
-        "resumed_from": resumed_from, "reached": record.step + int(in_step),  # a step begun
+        "resumed_from": resumed_from, "reached": record.step,
         "replay_until": replay_until,
     }  # fmt: skip
 
@@ -82,7 +83,19 @@ def begin(ledger: Ledger, resumed_from: int) -> None:
 
 
 def close(ledger: Ledger, how: int) -> dict[str, Any] | None:
-    """Rank 0 at the attempt's end: its record added, goodput.json and one line written."""
+    """Rank 0 at the attempt's end: its record added, goodput.json and one line written
+    (once: the hang report's thread and the main thread may both get here)."""
+    with _closing:
+        if ledger.ended:
+            return None
+        ledger.ended = True
+        return _close(ledger, how)
+
+
+_closing = threading.Lock()
+
+
+def _close(ledger: Ledger, how: int) -> dict[str, Any] | None:
     ledger.end(how)
     record = ledger.record()
     if ledger.run_dir is None or record is None or ledger.rank != 0:

@@ -41,6 +41,7 @@ def start(
     ledger.open(rank)
     ledger.mark(ledgers.STARTUP, step)
     stop.ledger = ledger
+    timeouts.start()
     stop.stragglers = Stragglers.of(run.cfg.get("stragglers"), rank, world, log_metrics)
     watchdog = None
     if world > 1:
