@@ -284,6 +284,7 @@ class RawTrainer:
             self.ledger.mark(ledgers.VALIDATION, self.global_step)  # as Lightning's books it
             with isolated_rng():
                 self.evaluate("val", sanity)
+            self.ledger.mark(ledgers.STARTUP, self.global_step)  # until the first step
 
     # --- training ----------------------------------------------------------------------------
     def backward(self, batch: Any, accumulate: int, sync: bool) -> torch.Tensor:
