@@ -67,6 +67,8 @@ def test_a_hung_rank_is_named_with_its_frame_and_the_job_ends(base_args, log_dir
     cost = json.loads((run / "goodput.json").read_text())
     assert cost["attempts"][-1]["how"] == "hung"
     assert 5 <= cost["buckets"]["detection"] < 5 + 30  # the stall until the report, and it
+    logged = read_scalars(run / "tensorboard")  # flushed before the process ended
+    assert "ranks/busy_ms/rank1" in logged and logged["goodput/detection_s"][-1][1] >= 5
 
 
 @pytest.mark.distributed

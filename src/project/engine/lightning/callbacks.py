@@ -103,6 +103,7 @@ class RunState(pl.Callback):
             self.run, trainer.global_rank, trainer.world_size, trainer.global_step,
             self.timeouts, self.stop, log_to(trainer),
             kill_children=lambda: kill_launched_ranks(trainer, signal.SIGKILL),
+            close_loggers=lambda: [lg.finalize("failed") for lg in trainer.loggers],
         )  # fmt: skip
         self.stop.mark_saved(trainer.global_step)  # a resumed run starts from a checkpoint
         if not skip_sigterm_broadcast(trainer):  # the check below does its job every few steps

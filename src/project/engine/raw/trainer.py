@@ -405,8 +405,10 @@ class RawTrainer:
         metrics: dict[str, float] = {}
         self.stop.install()
         self.stop.mark_saved(self.global_step)  # a resumed run starts from a checkpoint
+        writer = self.writer
         self.watch = watch.start(self.run, self.rank, self.world, self.global_step, self.timeouts,
-                                 self.stop, self.log_metrics if self.writer else None)  # fmt: skip
+                                 self.stop, self.log_metrics if writer else None,
+                                 close_loggers=writer.close if writer else None)  # fmt: skip
         try:
             self.sanity_check()
             self.task.train()

@@ -158,7 +158,11 @@ def so_far(ledger: Ledger) -> dict[str, float]:
     info = state.get("open", {})
     now = _attempt(record, info.get("resumed_from", 0), info.get("replay_until", 0))
     now["ended"] = record.at
-    summary = summarise([*state["attempts"], now])
+    return scalars(summarise([*state["attempts"], now]))
+
+
+def scalars(summary: dict[str, Any]) -> dict[str, float]:
+    """A summary as the tracking logger's scalars (`goodput/*`)."""
     logged = {f"goodput/{k}_s": v for k, v in summary["buckets"].items()}
     return logged | {"goodput/productive_share": summary["productive_share"],
                      "goodput/recomputed_steps": float(summary["recomputed_steps"])}  # fmt: skip

@@ -4,6 +4,7 @@ file (project.engine.distributed.ledger), the hang watchdog (hangs.py), straggle
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,9 +33,11 @@ class Watch:
 def start(
     run: Any, rank: int, world: int, step: int, timeouts: CollectiveTimeout, stop: StopSignal,
     log_metrics: LogMetrics | None, kill_children: Callable[[], None] | None = None,
+    close_loggers: Callable[[], None] | None = None,
 ) -> Watch:  # fmt: skip
     """At train start (after a resume's load: `step` is where it continues); `run`: the
-    skeleton's Run (not imported: the skeleton imports this module)."""
+    skeleton's Run (not imported: the skeleton imports this module). `close_loggers`: rank
+    0's, when a hang report ends the process (their last scalars would be lost)."""
     ledger = run.ledger
     if rank == 0:
         goodput.begin(ledger, resumed_from=step)
@@ -47,7 +50,14 @@ def start(
     if world > 1:
 
         def on_end(code: int) -> None:
-            goodput.close(ledger, ledgers.ENDED_HUNG if code == EXIT_HUNG else ledgers.ENDED_FAILED)
+            how = ledgers.ENDED_HUNG if code == EXIT_HUNG else ledgers.ENDED_FAILED
+            summary = goodput.close(ledger, how)
+            if summary is not None and log_metrics is not None:
+                log_metrics(goodput.scalars(summary), ledger.step)
+            if close_loggers is not None:  # a logger server that does not answer: 5 s at most
+                closing = threading.Thread(target=close_loggers, daemon=True)
+                closing.start()
+                closing.join(5)
 
         watchdog = Watchdog(ledger, timeouts.deadline, run.output_dir, kill_children, on_end)
         watchdog.start()
