@@ -222,21 +222,31 @@ def test_goodput_counts_gaps_only_between_attempts_of_one_job() -> None:
 
 
 @pytest.mark.quick
-def test_the_watchdog_waits_for_three_of_the_slowest_recent_steps() -> None:
+def test_the_step_deadline_waits_for_three_of_the_slowest_recent_steps(monkeypatch) -> None:
     """A model whose steps take longer than strategy.step_timeout_s is not reported as hung:
-    the deadline is never below three of its slowest recent windows (validation between two
-    windows is not a window)."""
+    the ledger measures its windows (validation between two is not one), and the deadline,
+    with the collective timeout 30 s behind it, grows to three of the slowest."""
+    from project.engine.distributed import ddp
+
     ledger = ledgers.Ledger(None, 2)
-    dog = hangs.Watchdog(ledger, lambda: 0.05, Path("unused"))
     for step in range(3):
         ledger.mark(ledgers.STEP, step)
         time.sleep(0.04)
         ledger.mark(ledgers.OPTIMIZER, step)
-    assert 0.04 <= ledger.window_s < 0.2 and dog.limit() == pytest.approx(3 * ledger.window_s)
+    assert 0.04 <= ledger.window_s < 0.2
     ledger.mark(ledgers.VALIDATION, 3)
     time.sleep(0.3)
     ledger.mark(ledgers.STEP, 3)
     assert ledger.window_s < 0.2  # the validation was not counted as a step
+    set_to: list[float] = []
+    monkeypatch.setattr(ddp, "set_collective_timeout", lambda t: set_to.append(t.seconds))
+    timeouts = ddp.CollectiveTimeout(5, None, world_size=2)
+    timeouts.in_steps(3 * ledger.window_s), timeouts.in_steps(3 * ledger.window_s)
+    assert timeouts.deadline() == 5 and set_to == [35]
+    timeouts.in_steps(3 * 20.0)  # steps of 20 s
+    assert timeouts.deadline() == 60 and set_to == [35, 90]
+    timeouts.in_steps(3 * 20.5)  # within 10 %: not set again
+    assert set_to == [35, 90]
 
 
 @pytest.mark.quick

@@ -255,9 +255,10 @@ class CollectiveTimeout:
     its connections close). The timeout is per rank and the waiting rank's counts, so the
     short one starts only at the second window after anything that can keep one rank long
     (the attempt's start, an epoch start with its workers, validation, a checkpoint save): by
-    then every rank has passed a collective since. The trainers call `start` when training
-    starts, `in_steps` at every accumulation window start and `outside_steps` before anything
-    else.
+    then every rank has passed a collective since. Inside the steps the deadline grows to
+    three of the slowest recent steps when they are that slow. The trainers call `start` when
+    training starts, `in_steps` at every accumulation window start and `outside_steps` before
+    anything else.
     """
 
     REPORT_S = 30.0  # a collective fails this much after the report's deadline
@@ -271,10 +272,11 @@ class CollectiveTimeout:
         self.world_size = world_size
         self.windows = 0  # window starts since the last long phase
         self.short = False  # the step timeout is in force
+        self.current = self.step or self.long  # the step deadline, stretched for slow steps
 
     def deadline(self) -> float:
         """Seconds without progress before the hang report, in the current phase."""
-        return self.step if self.short and self.step is not None else self.long
+        return self.current if self.short else self.long
 
     def _set(self) -> None:
         seconds = self.deadline() + self.REPORT_S
@@ -285,11 +287,15 @@ class CollectiveTimeout:
         if self.world_size > 1:
             self._set()
 
-    def in_steps(self) -> None:
-        """At an accumulation window start."""
+    def in_steps(self, slow_s: float = 0.0) -> None:
+        """At an accumulation window start; `slow_s`: what the slowest recent steps need (3 of
+        them: a model whose steps take minutes is not hung after step_timeout_s)."""
         self.windows += 1
-        if self.step is not None and self.windows >= 2 and not self.short:
-            self.short = True
+        if self.step is None or self.windows < 2:
+            return
+        wanted = max(self.step, slow_s)
+        if not self.short or wanted > 1.1 * self.current:
+            self.short, self.current = True, wanted
             self._set()
 
     def outside_steps(self) -> None:

@@ -2,11 +2,11 @@
 
 A watchdog thread on every rank compares the time since the rank's last ledger mark
 (project.engine.distributed.ledger) with the deadline of the phase it is in: the short one
-(`strategy.step_timeout_s`) inside the training steps after the first, the long one
-(`strategy.timeout` less 30 s) until then and around validation and checkpoint saves (the
-same phases as the collective timeouts, project.engine.distributed.ddp.CollectiveTimeout,
-which are set 30 s longer, so the report comes first); never less than three of the slowest
-recent steps, so a model whose steps take minutes is not reported as hung. When it passes,
+(`strategy.step_timeout_s`) inside the training steps after the first, never less than three
+of the slowest recent steps, so a model whose steps take minutes is not reported as hung; the
+long one (`strategy.timeout`) until then and around validation and checkpoint saves. The
+collectives time out 30 s later (project.engine.distributed.ddp.CollectiveTimeout), so the
+report comes first. When it passes,
 or when a collective fails because a peer died (`report_peer_failure`), every live rank
 
 1. writes `<run>/hang/rank-<R>.json` (step, phase, collectives issued, its last collectives
@@ -81,10 +81,13 @@ class Watchdog:
         self._stop.set()
         if _active is self:
             _active = None
+        if self._lock.locked():  # a report is being written: it ends the process
+            time.sleep(3 * GATHER_S + 30)
 
     def limit(self) -> float:
-        """The phase's deadline, and never less than 3 of the slowest recent steps."""
-        return max(self.deadline(), 3 * self.ledger.window_s)
+        """The phase's deadline (never less than 3 of the slowest recent steps: the trainers
+        stretch it, and the collective timeout with it, at a window start)."""
+        return self.deadline()
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.limit() / 20)):
@@ -93,8 +96,8 @@ class Watchdog:
                 self.report(f"no progress for {stalled:.0f} s (deadline {limit:.0f} s)",
                             code=EXIT_HUNG)  # fmt: skip
             if (peer := self._peer_report()) is not None:  # the ranks' deadlines differ
-                self.report(f"rank {peer['rank']} reported first: {peer['reason']}",
-                            code=peer.get("code", EXIT_HUNG))  # fmt: skip
+                first = peer.get("first", f"rank {peer['rank']}: {peer['reason']}")
+                self.report(first, code=peer.get("code", EXIT_HUNG))
 
     def _peer_report(self) -> dict[str, Any] | None:
         """Another rank's report of this attempt, if one was written: this rank joins it. One
@@ -109,38 +112,42 @@ class Watchdog:
     def report(self, reason: str, code: int, error: BaseException | None = None) -> NoReturn:
         """Write this rank's report; rank 0 the screen; exit `code` (never returns)."""
         if not self._lock.acquire(blocking=False):
-            while True:  # the other thread is reporting and will end the process
-                time.sleep(60)
+            time.sleep(3 * GATHER_S + 30)  # the other thread is reporting and ends the process
+            os._exit(code)  # ... unless its report got stuck
         stalled = time.monotonic() - self.ledger.progress
         where = {"step": self.ledger.step, "phase": self.ledger.phase, "seq": self.ledger.seq()}
         self.ledger.stalled()  # the time since the last mark: detection (goodput)
         if self.ledger.rank == 0 and "lightning" in sys.modules:
             pause_child_observer()
-        where |= {"code": code, "reason": reason}
+        where |= {"code": code, "reason": reason, "first": reason if reason.startswith("rank ")
+                  else f"rank {self.ledger.rank}: {reason}"}  # fmt: skip
         write_own(self.folder, self.ledger.rank, where, stalled, error)
         since, ledger_dir = self.ledger.created, self.folder.parent / ledgers.FOLDER
-        if self.ledger.rank != 0:  # Lightning's launcher kills rank 0 when a rank ends
-            # first: stay until rank 0 has begun its report (it then stops that watcher)
+        rank0 = self.ledger.rank == 0
+        if not rank0:  # Lightning's launcher kills rank 0 when a rank ends first: stay until
+            # rank 0 has begun its report (it then stops that watcher), or is gone
             started = self.folder / "rank-0.json"
-            wait_for(lambda: _current(started, since) or _gone(ledger_dir, 0), GATHER_S)
-        if self.ledger.rank == 0 or self._lowest_live(since):
+            rank0 = not wait_for(lambda: _current(started, since) or _gone(ledger_dir, 0),
+                                 GATHER_S) or _gone(ledger_dir, 0)  # fmt: skip
+            rank0 = rank0 and self._lowest(since)  # rank 0 gone or silent: the lowest prints
+        if rank0:
             lines = screen(self.folder, self.ledger.world, reason, code, since)
             sys.stderr.write("\n".join(lines) + "\n")
             sys.stderr.flush()
             _atomic_text(self.folder / SCREEN, "\n".join(lines) + "\n")
-            if self.on_end is not None:
-                self.on_end(code)
+            if self.on_end is not None:  # the goodput, the loggers: bounded
+                ending = threading.Thread(target=self.on_end, args=(code,), daemon=True)
+                ending.start()
+                ending.join(10)
             if self.kill_children is not None:
                 self.kill_children()
         record_exit(code)
         os._exit(code)
 
-    def _lowest_live(self, since: float) -> bool:
-        """Rank 0 is gone and no lower rank of this attempt reported: this one prints."""
-        if not _gone(self.folder.parent / ledgers.FOLDER, 0):
-            return False
-        reports = gather(self.folder, self.ledger.world, since)
-        return min(reports, default=self.ledger.rank) == self.ledger.rank
+    def _lowest(self, since: float) -> bool:
+        """No lower rank of this attempt reported: this one prints the screen."""
+        reports = gather(self.folder, self.ledger.world, since, seconds=1.0)
+        return min(reports, default=self.ledger.rank) >= self.ledger.rank
 
 
 def is_peer_failure(err: BaseException) -> bool:

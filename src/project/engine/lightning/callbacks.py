@@ -121,7 +121,7 @@ class RunState(pl.Callback):
         stragglers = self.stop.stragglers
         if stragglers is not None:
             stragglers.window_end()
-        self.timeouts.in_steps()
+        self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
         epoch_end = self.checkpoints.periodic and batch_idx == 0
         if save or stop or (epoch_end and trainer.global_step != self.stop.saved_step):

@@ -327,7 +327,7 @@ class RawTrainer:
         stragglers = self.stop.stragglers
         if stragglers is not None:
             stragglers.window_end()
-        self.timeouts.in_steps()
+        self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
             self.save_last()

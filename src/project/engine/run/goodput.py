@@ -12,13 +12,15 @@ step the failed attempt had reached); `other` is testing after training and the 
 Each attempt adds its record when it ends; an attempt killed before it could (SIGKILL, a
 lost node) is added by the next one from its ledger file, which outlives the process.
 `wall_s` is the attempts' time plus the gaps between the attempts of one job (same
-TORCHELASTIC_RUN_ID or SLURM_JOB_ID): a rerun days later does not count the days.
+TORCHELASTIC_RUN_ID or SLURM_JOB_ID, or a torchrun restart): a rerun days later does not
+count the days.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -45,15 +47,16 @@ def _load(run_dir: Path) -> dict[str, Any]:
     return {k: kept[k] for k in ("attempts", "open") if k in kept}
 
 
-def _attempt(record: Record, resumed_from: int, replay_until: int) -> dict[str, Any]:
-    """One attempt's record; `reached`: the optimizer steps it completed (a step begun and
-    lost is not trained "again")."""
+def _attempt(record: Record, info: dict[str, Any]) -> dict[str, Any]:
+    """One attempt's record (`info`: what `begin` noted); `reached`: the optimizer steps it
+    completed (a step begun and lost is not trained "again")."""
+    resumed_from, replay_until = info.get("resumed_from", 0), info.get("replay_until", 0)
     return {
         "started": record.started, "ended": record.end or record.at, "job": record.job,
         "how": ENDINGS.get(record.ended, "?"),
         "buckets": dict(zip(BUCKETS, record.buckets, strict=True)),
         "resumed_from": resumed_from, "reached": record.step,
-        "replay_until": replay_until,
+        "replay_until": replay_until, "restarted": info.get("restarted", False),
     }  # fmt: skip
 
 
@@ -67,9 +70,7 @@ def begin(ledger: Ledger, resumed_from: int) -> None:
     previous = ledgers.read(path)
     known = {a["started"] for a in state["attempts"]}
     if previous is not None and previous.started not in known and previous.rank == 0:
-        info = state.get("open", {})
-        state["attempts"].append(_attempt(previous, info.get("resumed_from", 0),
-                                          info.get("replay_until", 0)))  # fmt: skip
+        state["attempts"].append(_attempt(previous, state.get("open", {})))
     attempts = state["attempts"]
     if attempts:
         ledger.replay_until = max(a["reached"] for a in attempts)
@@ -77,8 +78,10 @@ def begin(ledger: Ledger, resumed_from: int) -> None:
     if ledger.resumed_after_failure:  # what this attempt's start-up booked so far, too
         ledger.buckets[RESTART] += ledger.buckets[STARTUP]
         ledger.buckets[STARTUP] = 0.0
+    # a torchrun restart of this job (also when its run id says nothing: static rendezvous)
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     state["open"] = {"started": ledger.started, "resumed_from": resumed_from,
-                     "replay_until": ledger.replay_until}  # fmt: skip
+                     "replay_until": ledger.replay_until, "restarted": restarted}  # fmt: skip
     _write(ledger.run_dir, state)
 
 
@@ -101,9 +104,7 @@ def _close(ledger: Ledger, how: int) -> dict[str, Any] | None:
     if ledger.run_dir is None or record is None or ledger.rank != 0:
         return None
     state = _load(ledger.run_dir)
-    info = state.pop("open", {})
-    state["attempts"].append(_attempt(record, info.get("resumed_from", 0),
-                                      info.get("replay_until", 0)))  # fmt: skip
+    state["attempts"].append(_attempt(record, state.pop("open", {})))
     summary = _write(ledger.run_dir, state)
     log.info(line(summary))
     return summary
@@ -118,7 +119,8 @@ def summarise(attempts: list[dict[str, Any]]) -> dict[str, Any]:
         for name, seconds in a["buckets"].items():
             buckets[name] += seconds
         previous = attempts[i - 1] if i else None
-        if previous and a["job"] and a["job"] == previous["job"]:
+        same_job = a["job"] and a["job"] == (previous or {}).get("job")
+        if previous and (same_job or a.get("restarted")):
             gap = max(0.0, a["started"] - previous["ended"])  # the launcher's restart
             wall += gap
             buckets["restart"] += gap
@@ -155,8 +157,7 @@ def so_far(ledger: Ledger) -> dict[str, float]:
     record = ledger.record()
     if record is None:
         return {}
-    info = state.get("open", {})
-    now = _attempt(record, info.get("resumed_from", 0), info.get("replay_until", 0))
+    now = _attempt(record, state.get("open", {}))
     now["ended"] = record.at
     return scalars(summarise([*state["attempts"], now]))
 
