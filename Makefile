@@ -13,8 +13,10 @@ PYTEST_ARGS ?=
 # Tests run in parallel, one worker per core (pytest-xdist); tests that share one expensive run
 # stay on one worker (tests/conftest.py: SHARED_RUNS). PARALLEL= runs them one at a time. At
 # most 8 workers (each may run a 2-process training); where a container sees more cores than
-# its CPU quota grants, set PYTEST_XDIST_AUTO_NUM_WORKERS to the quota.
-PARALLEL ?= -n auto --maxprocesses 8 --dist loadgroup
+# its CPU quota grants, set PYTEST_XDIST_AUTO_NUM_WORKERS to the quota. A worker that crashes
+# ends the run (its test fails): with --dist loadgroup, xdist 3.8 deadlocks at the end of a run
+# whose crashed worker was replaced (pytest-dev/pytest-xdist#1378).
+PARALLEL ?= -n auto --maxprocesses 8 --dist loadgroup --max-worker-restart=0
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

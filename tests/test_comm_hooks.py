@@ -113,12 +113,23 @@ class Done:
 
 @pytest.fixture
 def one_process_group() -> Iterator[None]:
-    """A gloo process group of this process alone: what torch's powerSGD_hook all-reduces on."""
+    """A gloo process group of this process alone: what torch's powerSGD_hook all-reduces on.
+
+    The hook's callbacks run on gloo's worker thread and hold the group: when the last of
+    them is freed there, after destroy_process_group, the group's destructor joins that very
+    thread and aborts the test process ("Resource deadlock avoided"). So the group is freed
+    here, on this thread, once gloo's thread has let go of it."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = _get_default_group()
     yield
     dist.destroy_process_group()
+    deadline = time.monotonic() + 10
+    while sys.getrefcount(group) > 2 and time.monotonic() < deadline:  # this name, the call's
+        time.sleep(0.01)
+    del group
 
 
 @pytest.mark.quick

@@ -277,3 +277,31 @@ def test_an_attempt_killed_before_it_could_close_is_added_by_the_next(tmp_path: 
     kept = json.loads((tmp_path / goodput.FILE).read_text())
     assert [a["how"] for a in kept["attempts"]] == ["killed", "finished"]
     assert goodput.close(ledger, ledgers.ENDED_OK) is None  # once
+
+
+@pytest.mark.quick
+def test_the_ledger_does_not_keep_the_process_group_alive() -> None:
+    """The ledger counts collectives with the group's sequence number but holds the group
+    weakly: a group outliving destroy_process_group is freed at interpreter shutdown, where
+    gloo's threads abort the process (a finished or stopped run then exits -6, not 0 or 143)."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    from project.engine.private_api import collective_counter
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ledger = ledgers.Ledger(None, 1)
+        ledger.attach(collective_counter())
+        dist.all_reduce(torch.ones(1)), dist.all_reduce(torch.ones(1))
+        assert ledger.seq() == 2
+        group = weakref.ref(_get_default_group())
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert group() is None, "something still holds the destroyed process group"
+    assert ledger.seq() == 2  # the last count, kept for a report after the group is gone

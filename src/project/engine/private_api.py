@@ -10,7 +10,7 @@ Only the standard library is imported at the top: project.launcher imports this 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 POWERSGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
@@ -254,12 +254,24 @@ def set_collective_timeout(timeout: Any) -> None:
     _set_pg_timeout(timeout)
 
 
-def collective_counter() -> Any:
+def collective_counter() -> Callable[[], int]:
     """A function giving the number of collectives the default process group has issued (its
-    sequence number, which every rank's n-th collective shares)."""
+    sequence number, which every rank's n-th collective shares); the last one seen once the
+    group is destroyed. It holds the group weakly: a group kept alive past
+    destroy_process_group is freed at interpreter shutdown, where gloo's threads abort the
+    process ("terminate called without an active exception", see exits.close_process_group)."""
+    import weakref
+
     from torch.distributed.distributed_c10d import _get_default_group
 
-    return _get_default_group()._get_sequence_number_for_group
+    group, last = weakref.ref(_get_default_group()), [0]
+
+    def sequence_number() -> int:
+        if (pg := group()) is not None:
+            last[0] = pg._get_sequence_number_for_group()
+        return last[0]
+
+    return sequence_number
 
 
 def flight_recorder() -> list[dict[str, Any]]:

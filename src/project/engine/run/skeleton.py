@@ -131,7 +131,8 @@ def preflight(
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg, skip=entry.skip_targets)
-    flight_recorder_env()  # before any process group: the hang report reads it
+    if topology.world_size > 1:  # before any process group: the hang report reads it
+        flight_recorder_env()
     ledger = Ledger(output_dir, topology.world_size)
     return Run(cfg, output_dir, topology, resume, checkpoints, ledger)
 
