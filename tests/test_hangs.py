@@ -305,3 +305,17 @@ def test_the_ledger_does_not_keep_the_process_group_alive() -> None:
     gc.collect()
     assert group() is None, "something still holds the destroyed process group"
     assert ledger.seq() == 2  # the last count, kept for a report after the group is gone
+
+
+@pytest.mark.quick
+def test_flight_recorder_is_on_unless_the_user_set_it() -> None:
+    env: dict[str, str] = {}
+    ledgers.flight_recorder_env(env)
+    assert env == {
+        "TORCH_FR_BUFFER_SIZE": str(ledgers.FR_BUFFER),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+    for own in ({"TORCH_FR_BUFFER_SIZE": "0"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}):
+        env = dict(own)
+        ledgers.flight_recorder_env(env)
+        assert env == {**own, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # theirs, under either name

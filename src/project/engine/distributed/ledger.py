@@ -100,7 +100,8 @@ def flight_recorder_env(env: dict[str, str] | os._Environ = os.environ) -> None:
     """Turn torch's Flight Recorder on (before the process group exists) unless the user set
     it: gloo and NCCL record into it (TORCH_NCCL_TRACE_BUFFER_SIZE, its older name, is
     deprecated); on CUDA, NCCL also dumps it on a timeout."""
-    env.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER))
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:  # the user's, under its older name
+        env.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER))
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
