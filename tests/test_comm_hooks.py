@@ -126,9 +126,11 @@ def one_process_group() -> Iterator[None]:
     group = _get_default_group()
     yield
     dist.destroy_process_group()
+    alone = sys.getrefcount(probe := object())  # what a name held only here counts
     deadline = time.monotonic() + 10
-    while sys.getrefcount(group) > 2 and time.monotonic() < deadline:  # this name, the call's
+    while sys.getrefcount(group) > alone and time.monotonic() < deadline:
         time.sleep(0.01)
+    del probe
     del group
 
 

@@ -3,7 +3,7 @@
 A mark says "from now on this rank is in `phase` at optimizer step `step`" and records how
 many collectives the rank has issued so far (the process group's sequence number). The
 collectives themselves (operation, sequence number, sizes, completed or not) are recorded by
-torch's Flight Recorder, which the run turns on for every backend (`flight_recorder_env`);
+torch's Flight Recorder, which the run keeps on with more than one process (`flight_recorder_env`);
 the marks say which step and which part of it issued each one. The time between two marks
 goes to one bucket of the run's goodput (project.engine.run.goodput): start-up, productive
 training, validation, checkpoint saves, and what failures cost.
@@ -57,7 +57,7 @@ _BUCKET_OF = {
 PRODUCTIVE, RESTART, RECOMPUTED = 1, 5, 7
 
 FOLDER = "ledger"
-FR_BUFFER = 256  # Flight Recorder entries kept per process group (the last collectives)
+FR_BUFFER = 2000  # Flight Recorder entries kept (the last collectives): torch 2.13's default
 # How an attempt ended (0: still running, or killed before it could say)
 RUNNING, ENDED_OK, ENDED_STOPPED, ENDED_HUNG, ENDED_FAILED = range(5)
 
@@ -97,9 +97,10 @@ def process_start() -> float:
 
 
 def flight_recorder_env(env: dict[str, str] | os._Environ = os.environ) -> None:
-    """Turn torch's Flight Recorder on (before the process group exists) unless the user set
-    it: gloo and NCCL record into it (TORCH_NCCL_TRACE_BUFFER_SIZE, its older name, is
-    deprecated); on CUDA, NCCL also dumps it on a timeout."""
+    """Keep torch's Flight Recorder on (before the process group exists) unless the user set
+    it: recent torch records gloo and NCCL collectives by default, older releases only when
+    asked (TORCH_NCCL_TRACE_BUFFER_SIZE, its older name, is deprecated); on CUDA, NCCL also
+    dumps it on a timeout."""
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:  # the user's, under its older name
         env.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER))
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
