@@ -115,10 +115,10 @@ class Done:
 def one_process_group() -> Iterator[None]:
     """A gloo process group of this process alone: what torch's powerSGD_hook all-reduces on.
 
-    The hook's callbacks run on gloo's worker thread and hold the group: when the last of
-    them is freed there, after destroy_process_group, the group's destructor joins that very
-    thread and aborts the test process ("Resource deadlock avoided"). So the group is freed
-    here, on this thread, once gloo's thread has let go of it."""
+    The hook's callbacks run on gloo's worker thread and hold the group: were the last of
+    them freed there, after destroy_process_group, the group's destructor would join that
+    very thread and abort the test process ("Resource deadlock avoided"). So the group is
+    freed here, on this thread, once nothing else holds it."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_group
 
