@@ -264,12 +264,13 @@ def collective_counter() -> Callable[[], int]:
 
     from torch.distributed.distributed_c10d import _get_default_group
 
-    group, last = weakref.ref(_get_default_group()), [0]
+    group, last = weakref.ref(_get_default_group()), 0
 
     def sequence_number() -> int:
+        nonlocal last
         if (pg := group()) is not None:
-            last[0] = pg._get_sequence_number_for_group()
-        return last[0]
+            last = pg._get_sequence_number_for_group()
+        return last
 
     return sequence_number
 
