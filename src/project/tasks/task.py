@@ -4,11 +4,14 @@ A task owns the network and says what one batch computes:
 
     metrics = task.metrics(stage)        # fresh torchmetrics objects for "train"/"val"/"test"
     loss = task.step(batch, metrics)     # the batch's mean loss; updates `metrics`
+    task.weight(batch)                   # what that mean is over: samples, scored tokens
 
 The Lightning module (project.engine.lightning.module) and the raw trainer
-(project.engine.raw.trainer) are loops around these two calls: both add a "loss" mean to
-every stage, log each metric as `<stage>/<name>`, and let torchmetrics sync the metric states
-across ranks once per epoch (at compute), never per step.
+(project.engine.raw.trainer) are loops around these calls: both add a "loss" to every stage
+(the batch losses weighted by `weight`: the mean over every sample, the same on any batch
+size and world size), log each metric as `<stage>/<name>`, and let torchmetrics sync the
+metric states across ranks once per epoch (at compute), never per step. Metrics of your own
+must be sums over samples too (accuracy, perplexity are), not means of batch means.
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ class Task(nn.Module):
         """How many `unit`s `batch` holds (its first tensor's length, by default)."""
         first = batch[0] if isinstance(batch, (tuple, list)) else batch
         return len(first)
+
+    def weight(self, batch: Any) -> int | torch.Tensor:
+        """How many terms `step`'s mean loss of `batch` averages over (`count`, by default:
+        its samples). An epoch's loss weights each batch by it; override it when the loss is
+        a mean over something else (tokens, unmasked positions)."""
+        return self.count(batch)
 
 
 def build_task(task: Mapping[str, Any], net: Mapping[str, Any]) -> Task:

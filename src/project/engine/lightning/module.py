@@ -75,7 +75,7 @@ class TaskModule(DirectHookName, pl.LightningModule):
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
         metrics = getattr(self, f"{stage}_metrics")
         loss = self.task.step(batch, metrics)
-        metrics["loss"].update(loss.detach())
+        metrics["loss"].update(loss.detach(), self.task.weight(batch))
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -262,7 +262,7 @@ class RawTrainer:
             for _, batch in self.batches(stage, n):
                 with self.autocast():
                     loss = self.task.step(batch, self.metrics[stage])
-                self.metrics[stage]["loss"].update(loss)
+                self.metrics[stage]["loss"].update(loss, self.task.weight(batch))
                 self.ledger.touch()  # a long validation is progress, not a hang
         self.task.train()
         return self.compute(stage)
@@ -301,7 +301,7 @@ class RawTrainer:
             if sync and self.stop.stragglers is not None:
                 self.stop.stragglers.synced(time.perf_counter() - began)
         loss = loss.detach()
-        self.metrics["train"]["loss"].update(loss)
+        self.metrics["train"]["loss"].update(loss, self.task.weight(batch))
         return loss
 
     def optimizer_step(self) -> None:
