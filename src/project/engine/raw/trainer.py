@@ -349,6 +349,7 @@ class RawTrainer:
         if accumulate != elastic.fit_accumulation(loader, self.position, self.world, accumulate,
                                                   keep):  # fmt: skip
             raise RuntimeError("the raw trainer's loader follows data.batch_size: fit_world")
+        sharding.drop_incomplete_steps(loader, accumulate, self.world)
         first = elastic.resume(loader, self.position, epoch, self.world)
         self.position = None
         if (left := sharding.batches_left(loader)) is not None:
