@@ -22,7 +22,15 @@ from project.engine.data import elastic
 from project.engine.data.sharding import drop_incomplete_steps, set_epoch, shard_loader
 from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
-from tests.helpers import final_weights, finish, launcher, recorded_reads, start
+from tests.helpers import (
+    QUIET,
+    final_weights,
+    finish,
+    launcher,
+    recorded_data,
+    recorded_reads,
+    start,
+)
 from tests.helpers import user_data as user_data_args
 
 DATA = TensorDataset(torch.arange(480))
@@ -167,22 +175,25 @@ def test_drop_last_drops_the_incomplete_global_batch_on_any_world_size(shape: st
 
 
 # --- real processes: stopped on one world size, continued on another ---------------------------
+COUNTED = ["trainer.limit_train_batches=10", "trainer.limit_val_batches=2",
+           "trainer.limit_test_batches=2", "test=true"]  # fmt: skip
 CASES = {
     # 2 -> 1: every count of a datamodule of its own (20 a process) keeps its samples; 10
     # steps an epoch
-    "2-to-1": (2, 1, 20, {"n_train": 480}, ["trainer.limit_train_batches=10",
-               "+trainer.val_check_interval=5", "trainer.limit_val_batches=2",
-               "trainer.limit_test_batches=2", "test=true"]),
+    "2-to-1": ("project.train", 2, 1, 20, {"n_train": 480},
+               [*COUNTED, "+trainer.val_check_interval=5"]),
     # 1 -> 2: an interval of 20 batches is 10 on 2 processes (Lightning's ValueError before);
     # drop_last keeps 12 steps an epoch of 500 rows (13 on 1 process before)
-    "1-to-2": (1, 2, 24, {"n_train": 500, "drop_last": True}, [
+    "1-to-2": ("project.train", 1, 2, 24, {"n_train": 500, "drop_last": True}, [
                "trainer.accumulate_grad_batches=2", "+trainer.val_check_interval=20",
                "trainer.limit_val_batches=2", "test=false"]),
+    # the raw trainer, the template's datamodule (data.batch_size=20): 2 -> 1
+    "raw-2-to-1": ("project.raw_train", 2, 1, 20, None, [*COUNTED, "data.batch_size=20"]),
 }  # fmt: skip
 
 
-def job(nproc: int, args: list[str], run: str, tag: str) -> tuple[int, str]:
-    target = ["-m", "project.train", *args]
+def job(module: str, nproc: int, args: list[str], run: str, tag: str) -> tuple[int, str]:
+    target = ["-m", module, *args]
     cmd = launcher(target, nproc) if nproc > 1 else [sys.executable, *target]
     return finish(start(cmd, RUN_ID=run, RECORD_TAG=tag), 240)
 
@@ -190,6 +201,12 @@ def job(nproc: int, args: list[str], run: str, tag: str) -> tuple[int, str]:
 def reads(tmp_path: Path, tags: list[str], split: str) -> collections.Counter:
     return collections.Counter(i for tag in tags for rank in recorded_reads(tmp_path, tag, split)
                                for i in rank)  # fmt: skip
+
+
+def global_step(run_dir: Path) -> int:
+    """The optimizer steps a run's last checkpoint (either trainer's) counts."""
+    ckpt = next(p for p in (run_dir / "checkpoints").glob("last.*") if p.suffix in (".pt", ".ckpt"))
+    return int(torch.load(ckpt, weights_only=True)["global_step"])
 
 
 @pytest.mark.distributed
@@ -200,22 +217,22 @@ def test_a_run_continued_on_another_world_size_counts_the_same_samples(
     """Stopped after step 4 on w0 processes, continued on w1: the same optimizer steps as the
     run that never stopped, validation at the same samples with the same samples evaluated,
     the same test samples, the final weights within float rounding."""
-    w0, w1, optimizer_steps, data, counted = CASES[case]
+    module, w0, w1, optimizer_steps, data, counted = CASES[case]
     log_dir = tmp_path / "logs"
-    args = [f"paths.log_dir={log_dir}", *user_data_args(tmp_path, "OwnBatchDataModule", **data),
-            "trainer.max_epochs=2", "callbacks.early_stopping=null",
-            "trainer.num_sanity_val_steps=0", "callbacks.fault_tolerance.check_every_n_steps=1",
-            *counted]  # fmt: skip
-    code, out = job(w0, args, "whole", "whole")
+    data_args = ([*recorded_data(tmp_path, 480), *QUIET] if data is None
+                 else user_data_args(tmp_path, "OwnBatchDataModule", **data))  # fmt: skip
+    args = [f"paths.log_dir={log_dir}", *data_args, "trainer.max_epochs=2",
+            "callbacks.early_stopping=null", "trainer.num_sanity_val_steps=0",
+            "callbacks.fault_tolerance.check_every_n_steps=1", *counted]  # fmt: skip
+    code, out = job(module, w0, args, "whole", "whole")
     assert code == 0, out[-3000:]
     cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
-    code, out = job(w0, cut, "cut", "first")
+    code, out = job(module, w0, cut, "cut", "first")
     assert code == EXIT_PREEMPTED, out[-3000:]
-    code, out = job(w1, args, "cut", "second")
+    code, out = job(module, w1, args, "cut", "second")
     assert code == 0 and "Resuming epoch 0" in out, out[-3000:]
     runs = log_dir / "train" / "runs"
-    steps = [torch.load(runs / run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-             for run in ("whole", "cut")]  # fmt: skip
+    steps = [global_step(runs / run) for run in ("whole", "cut")]
     assert steps == [optimizer_steps, optimizer_steps], steps
     for split in ("val", "test"):  # validations at the same samples, each of the same rows
         assert reads(tmp_path, ["whole"], split) == reads(tmp_path, ["first", "second"], split)
@@ -233,12 +250,12 @@ def test_a_count_that_cannot_be_kept_stops_the_resumed_run_in_one_line(tmp_path:
     args = [f"paths.log_dir={log_dir}", *user_data_args(tmp_path, "OwnBatchDataModule"),
             "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "test=false",
             "trainer.accumulate_grad_batches=2", "trainer.limit_val_batches=3"]  # fmt: skip
-    code, out = job(1, [*args, "fault_injection.at_step=2", "fault_injection.mode=sigterm"],
-                    "odd", "first")  # fmt: skip
+    stop = ["fault_injection.at_step=2", "fault_injection.mode=sigterm"]
+    code, out = job("project.train", 1, [*args, *stop], "odd", "first")
     assert code == EXIT_PREEMPTED, out[-3000:]
     last = log_dir / "train" / "runs" / "odd" / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
-    code, out = job(2, args, "odd", "second")
+    code, out = job("project.train", 2, args, "odd", "second")
     assert code == 2, out[-3000:]
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]  # one a rank
     assert len(errors) == 2 and "Traceback" not in out, out[-3000:]
