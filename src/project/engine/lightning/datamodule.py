@@ -127,8 +127,8 @@ def fit_to_run(
         loaders, position, world, trainer.accumulate_grad_batches, keep_global_batch
     )
     if cfg is not None:
-        counts = elastic.fit_loader_counts(cfg, position, loaders, world, command or {})
-        for key, value in counts.items():
+        fitted = elastic.fit_loader_counts(cfg, position, loaders, world, command or {})
+        for key, value in fitted.items():
             setattr(trainer, key, value)
     sharding.drop_incomplete_steps(loaders, trainer.accumulate_grad_batches, world)
 

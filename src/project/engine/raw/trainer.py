@@ -229,8 +229,7 @@ class RawTrainer:
 
     def batches(self, stage: str, n: int, first: int = 0) -> Iterator[tuple[int, Any]]:
         """(index, batch on the device) for batches first..n-1 of `stage` (the loader already
-        skips the first `first` when resuming mid-epoch); batch n is never fetched (read for
-        nothing, as Lightning's limits do not)."""
+        skips the first `first` when resuming mid-epoch); batch n is never read."""
         loader = itertools.islice(self.loaders[stage], max(n - first, 0))
         for i, batch in enumerate(loader, start=first):
             yield i, to_device(batch, self.device)
