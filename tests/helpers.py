@@ -275,11 +275,11 @@ def recorded_data(tmp_path: Path, rows: int) -> list[str]:
     return [f"hydra.searchpath=[file://{tmp_path}/configs]", "data=recorded"]
 
 
-def recorded_reads(record_dir: Path, tag: str) -> list[list[int]]:
-    """What each rank (by rank) of one attempt read of the train split, in order."""
+def recorded_reads(record_dir: Path, tag: str, split: str = "train") -> list[list[int]]:
+    """What each rank (by rank) of one attempt read of `split`, in order."""
     files = sorted(record_dir.glob(f"reads-{tag}-rank*.txt"))
     return [[int(line.split()[1]) for line in f.read_text().splitlines()
-             if line.startswith("train")] for f in files]  # fmt: skip
+             if line.startswith(split)] for f in files]  # fmt: skip
 
 
 def options(group: str) -> list[str]:

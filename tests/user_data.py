@@ -169,3 +169,31 @@ class RankDependentDataModule(PlainDataModule):
         super().setup(stage)
         extra = rank() * 20
         self.train_set = Recorded("train", self.hparams.n_train + extra, 0, self.hparams.record_dir)
+
+
+class OwnBatchDataModule(pl.LightningDataModule):
+    """A datamodule whose batch size the run cannot set (`per_rank_batch`, not
+    `data.batch_size`), with a train split of `n_train` samples and a test split."""
+
+    def __init__(self, record_dir: str, n_train: int = 480, n_val: int = 101,
+                 per_rank_batch: int = 20, drop_last: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str | None = None) -> None:
+        h = self.hparams
+        self.sets = {
+            split: Recorded(split, h.n_train if split == "train" else h.n_val, offset, h.record_dir)
+            for split, offset in (("train", 0), ("val", 10**6), ("test", 2 * 10**6))
+        }
+
+    def train_dataloader(self) -> DataLoader:
+        h = self.hparams
+        return DataLoader(self.sets["train"], batch_size=h.per_rank_batch, shuffle=True,
+                          drop_last=h.drop_last)  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets["val"], batch_size=self.hparams.per_rank_batch)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets["test"], batch_size=self.hparams.per_rank_batch)

@@ -46,7 +46,8 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = instantiate(cfg.data)
     # Any datamodule's loaders: sharded, resumable, started where a resumed epoch stood.
-    shard_datamodule(datamodule, cfg.seed, run.position, cfg.get("keep_global_batch", True))
+    shard_datamodule(datamodule, cfg.seed, run.position, cfg.get("keep_global_batch", True),
+                     cfg, run.checkpoints.command)  # fmt: skip
     model: pl.LightningModule = instantiate(cfg.model)
     loggers = build.instantiate_all(cfg.get("logger"))
     callbacks = build.callbacks(run, loggers)

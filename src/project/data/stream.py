@@ -33,14 +33,19 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 
-def rank_positions(total: int, world: int, rank: int, start: int = 0, mode: str = "pad") -> range:
+def rank_positions(
+    total: int, world: int, rank: int, start: int = 0, mode: str = "pad", whole: int = 0
+) -> range:
     """Rank `rank` of `world`'s positions in an epoch of `total`, from global position `start`
     on: start+rank, start+rank+world, ... Positions >= total wrap to the epoch's first ones.
 
     mode "pad" (training): every rank the same count, ceil((total-start)/world), as
     DistributedSampler pads; "drop": floor, as DistributedSampler(drop_last=True); "exact"
     (evaluation): every position below `total` exactly once over the ranks, none repeated.
-    With start=0 this is DistributedSampler's layout."""
+    With start=0 this is DistributedSampler's layout. `whole` > 0: the epoch ends at its last
+    multiple of `whole` positions (a loader's drop_last, `whole` the positions one optimizer
+    step of all ranks takes: no incomplete global batch, the same steps on any world size)."""
+    total = total // whole * whole if whole > 0 else total
     left = max(total - start, 0)
     if mode == "pad":
         end = start + math.ceil(left / world) * world
@@ -58,6 +63,7 @@ class SkipInEpoch:
 
     epoch = 0
     _skip = (0, 0)  # (epoch, global position)
+    whole = 0  # drop_last: the epoch ends at its last multiple of this (rank_positions)
 
     def skip(self, position: int) -> None:
         self._skip = (self.epoch, position)
@@ -98,7 +104,7 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         """This rank's positions in the epoch's order from global position `start` on (those
         >= total wrap around: training's padding)."""
         mode = "pad" if self.pad else "exact"
-        return rank_positions(self.total, self.world, self.rank, start, mode)
+        return rank_positions(self.total, self.world, self.rank, start, mode, self.whole)
 
     def __len__(self) -> int:
         return len(self.positions())

@@ -11,13 +11,18 @@ batch. Both trainers use it.
   loader there, on any world size, and tells the trainer how many of its own batches that is.
 - **The global batch** (per-rank batch x accumulation x world) is the run's too: on another
   world size `fit_global_batch` sets `data.batch_size` and `trainer.accumulate_grad_batches`
-  (and a count `trainer.limit_train_batches`) so that an optimizer step takes the same
-  samples as before, before anything is built. The per-rank batch is kept when it divides,
-  else the largest that does, up to the configured one (memory); no whole-number split is one
-  line with the numbers. A datamodule of its own, whose batch the run cannot set, gets the
-  accumulation that keeps the global batch when its loader is built (`fit_accumulation`).
-  `keep_global_batch=false`, or a command that changes the batch size, accumulation or limit
-  itself, lets the global batch follow (one logged line).
+  so that an optimizer step takes the same samples as before, before anything is built. The
+  per-rank batch is kept when it divides, else the largest that does, up to the configured
+  one (memory); no whole-number split is one line with the numbers. A datamodule of its own,
+  whose batch the run cannot set, gets the accumulation that keeps the global batch when its
+  loader is built (`fit_accumulation`). `keep_global_batch=false`, or a command that changes
+  the batch size or accumulation itself, lets the global batch follow (one logged line).
+- **The counts of batches** (`COUNTS`: a count `trainer.limit_train_batches`,
+  `val_check_interval`, `limit_val_batches`, `limit_test_batches`, each per rank) keep the
+  samples they counted when the checkpoint was written (`fit_counts`: with the template's
+  datamodule in `fit_global_batch`, with one of its own when its train loader is built), or
+  stop the run with one line naming the count that would work. A command that changes one
+  of them itself is followed as it is.
 """
 
 from __future__ import annotations
@@ -34,14 +39,28 @@ from project.engine.errors import UserError
 log = logging.getLogger(__name__)
 
 KEY = "data_position"  # the checkpoint's entry (plain values: loads with weights_only=True)
-ASKED = ("data.batch_size", "trainer.accumulate_grad_batches", "trainer.limit_train_batches")
+BATCH_KEYS = ("data.batch_size", "trainer.accumulate_grad_batches")
+# Trainer keys that count batches of one rank when they are ints (a float is a share of each
+# rank's batches, the same share on any world size): they follow the per-rank batch x world.
+COUNTS = ("trainer.limit_train_batches", "trainer.val_check_interval",
+          "trainer.limit_val_batches", "trainer.limit_test_batches")  # fmt: skip
+ASKED = (*BATCH_KEYS, *COUNTS)  # the order of Position.asked (older checkpoints: the first 3)
 
 
 def asked(cfg: Any) -> dict[str, Any]:
-    """The batch keys as the command gave them (before `fit_global_batch` sets any)."""
+    """The batch keys and counts as the command gave them (before `fit_global_batch` sets
+    any)."""
     data, trainer = cfg.get("data") or {}, cfg.get("trainer") or {}
-    return {ASKED[0]: data.get("batch_size"), ASKED[1]: trainer.get("accumulate_grad_batches"),
-            ASKED[2]: trainer.get("limit_train_batches")}  # fmt: skip
+    return {BATCH_KEYS[0]: data.get("batch_size"),
+            **{key: trainer.get(key.split(".")[1]) for key in ASKED[1:]}}  # fmt: skip
+
+
+def count(value: Any) -> int | None:
+    """`value` when it is a count of batches (an int, not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+TUPLES = ("units", "offsets", "asked", "counts")  # Position's fields saved as lists
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,7 @@ class Position:
     follows: bool = False  # the first loader's batch was data.batch_size (which can be set)
     limit: int | None = None  # trainer.limit_train_batches then, when a count of batches
     asked: tuple[Any, ...] = ()  # the ASKED keys as the command gave them
+    counts: tuple[int | None, ...] = ()  # the COUNTS keys in effect then (None: no count)
 
     @property
     def global_batch(self) -> int:
@@ -73,7 +93,7 @@ class Position:
         """A checkpoint's `KEY` entry as a Position (None: none recorded)."""
         if not saved:
             return None
-        tuples = {k: tuple(saved.get(k) or ()) for k in ("units", "offsets", "asked")}
+        tuples = {k: tuple(saved.get(k) or ()) for k in TUPLES}
         return cls(**{**saved, **tuples})
 
 
@@ -83,7 +103,7 @@ def record(
 ) -> dict[str, Any]:  # fmt: skip
     """The checkpoint entry for the train `loaders` at `batches` of `epoch` (`command`: the
     batch keys as the command gave them, `asked(cfg)` before fit_global_batch)."""
-    limit = cfg.trainer.get("limit_train_batches")
+    in_effect = tuple(count(cfg.trainer.get(key.split(".")[1])) for key in COUNTS)
     flat = sharding.flat(loaders)
     units = tuple(sharding.units_per_batch(loader) for loader in flat)
     offsets = tuple(sharding.epoch_start(loader, epoch) % (u * world)
@@ -91,11 +111,10 @@ def record(
     position = Position(
         epoch, batches, world, accumulate, units, offsets,
         units[:1] == ((cfg.get("data") or {}).get("batch_size"),),
-        limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
-        tuple(command.get(key) for key in ASKED),
+        in_effect[0], tuple(command.get(key) for key in ASKED), in_effect,
     )  # fmt: skip
     saved = asdict(position)
-    saved.update({k: list(saved[k]) for k in ("units", "offsets", "asked")})
+    saved.update({k: list(saved[k]) for k in TUPLES})
     return saved
 
 
@@ -198,54 +217,120 @@ def fit_global_batch(
     cfg: DictConfig, position: Position | None, world: int, command: dict[str, Any]
 ) -> None:
     """Set this attempt's per-rank batch and accumulation (in `cfg`) so that the run's global
-    batch stays what its checkpoint recorded (see the module docstring); `command`: the batch
-    keys as the command gave them. A command that changed one of them sets
-    `keep_global_batch=false` for this attempt: its own values win."""
+    batch stays what its checkpoint recorded, and the counts of batches their samples (see the
+    module docstring); `command`: the keys as the command gave them. A command that changed
+    the batch size or accumulation sets `keep_global_batch=false` for this attempt: its own
+    values win."""
     if position is None:
         return
-    changed = [k for k, was in zip(ASKED, position.asked, strict=False) if command[k] != was]
+    changed = [k for k in BATCH_KEYS if _changed(k, position, command)]
     if changed:
         with open_dict(cfg):
             cfg.keep_global_batch = False
         log.warning(f"the command changed {', '.join(changed)}: the global batch follows it")
     if not position.follows or not (cfg.get("data") or {}).get("batch_size"):
-        return  # a datamodule of its own: fit_accumulation, when its loader is built
+        return  # a datamodule of its own: fit_accumulation and fit_counts, when it is built
     trainer, run = cfg.trainer, position.global_batch
     batch, accumulate = cfg.data.batch_size, int(trainer.get("accumulate_grad_batches") or 1)
     now = batch * accumulate * world
-    if now == run:
-        return
-    if not cfg.get("keep_global_batch", True):
+    if now != run and not cfg.get("keep_global_batch", True):
         log.warning(
             f"the global batch is now {now} ({batch} x {accumulate} accumulated x {world} "
             f"process(es)), {run} when the checkpoint was written (keep_global_batch=false)"
         )
-        return
-    batch, accumulate = split_global_batch(run, world, batch, batch_fixed=False)
-    limit = _scaled_limit(trainer.get("limit_train_batches"), position, batch, world)
-    with open_dict(cfg):
-        cfg.data.batch_size, trainer.accumulate_grad_batches = batch, accumulate
-        if limit is not None:
-            trainer.limit_train_batches = limit
-    log.warning(
-        f"{world} process(es), {position.world} when the checkpoint was written: the global "
-        f"batch of {run} is kept as {batch} per process x {accumulate} accumulated "
-        f"(data.batch_size={batch}, trainer.accumulate_grad_batches={accumulate}"
-        f"{f', trainer.limit_train_batches={limit}' if limit is not None else ''}); "
-        "keep_global_batch=false lets it follow the world size"
+    elif now != run:
+        batch, accumulate = split_global_batch(run, world, batch, batch_fixed=False)
+        with open_dict(cfg):
+            cfg.data.batch_size, trainer.accumulate_grad_batches = batch, accumulate
+        log.warning(
+            f"{world} process(es), {position.world} when the checkpoint was written: the "
+            f"global batch of {run} is kept as {batch} per process x {accumulate} accumulated "
+            f"(data.batch_size={batch}, trainer.accumulate_grad_batches={accumulate}); "
+            "keep_global_batch=false lets it follow the world size"
+        )
+    set_counts(cfg, fit_counts(trainer, position, batch, world, command))
+
+
+def _changed(key: str, position: Position, command: dict[str, Any]) -> bool:
+    """Whether the command gives `key` another value than it did when the checkpoint was
+    written (a key that checkpoint did not record: not changed)."""
+    i = ASKED.index(key)
+    return i < len(position.asked) and command.get(key) != position.asked[i]
+
+
+def fit_counts(
+    trainer: Any, position: Position, batch: int, world: int, command: dict[str, Any]
+) -> dict[str, int]:
+    """The COUNTS (trainer key -> count) that count, with `batch` per rank x `world`, the
+    samples they counted when the checkpoint was written (`trainer`: the config's trainer
+    keys); only those that differ from `trainer`'s. Evaluation batches are taken to follow the
+    train batch (the template's datamodule uses one batch size for all). One line when a
+    count has no whole-number equivalent, naming the counts that would work."""
+    before, now = position.units[0] * position.world, batch * world
+    fitted = {}
+    for i, key in enumerate(COUNTS):
+        name = key.split(".")[1]
+        value = count(trainer.get(name))
+        if value is None or _changed(key, position, command):
+            continue  # not a count, or the command's own: as it is
+        old = position.counts[i] if position.counts else (position.limit if i == 0 else value)
+        if old is None:
+            continue
+        across_epochs = trainer.get("check_val_every_n_epoch", 1) is None
+        if name == "val_check_interval" and before != now and across_epochs:
+            raise UserError(
+                f"trainer.val_check_interval={value} with check_val_every_n_epoch=null counts "
+                f"batches of {position.units[0]} x {position.world} process(es) across epochs, "
+                f"and this run's batches are {batch} x {world}: set "
+                "trainer.check_val_every_n_epoch to a number of epochs, or resume on "
+                f"{position.world} process(es)"
+            )
+        samples = old * before
+        if samples % now:
+            raise UserError(_no_whole_count(name, value, old, position, batch, world))
+        if samples // now != value:
+            fitted[name] = samples // now
+    return fitted
+
+
+def _no_whole_count(
+    name: str, value: int, old: int, position: Position, batch: int, world: int
+) -> str:
+    """The one line for a count that no whole number of this world's batches equals."""
+    samples, now = old * position.units[0] * position.world, batch * world
+    low = samples // now  # the nearest whole counts, not the value given (it would fail again)
+    near = min((n for n in (low, low + 1, low + 2) if n > 0 and n != value),
+               key=lambda n: abs(n * now - samples))  # fmt: skip
+    return (
+        f"trainer.{name}={value} counted {samples} samples when the checkpoint was written "
+        f"({old} batches of {position.units[0]} x {position.world} process(es)), and no whole "
+        f"number of this run's batches of {batch} x {world} process(es) does: set "
+        f"trainer.{name}={near} ({near * now} samples; a value the command changes is used as "
+        f"given), a fraction, or resume on {position.world} process(es)"
     )
 
 
-def _scaled_limit(limit: Any, position: Position, batch: int, world: int) -> int | None:
-    """A count `trainer.limit_train_batches` for the new per-rank batch and world, so that an
-    epoch still takes the same samples (None: no count to scale)."""
-    if position.limit is None or not isinstance(limit, int) or isinstance(limit, bool):
-        return None
-    samples = position.limit * position.units[0] * position.world
-    if samples % (batch * world):
-        raise UserError(
-            f"trainer.limit_train_batches={position.limit} ({samples} samples an epoch) is no "
-            f"whole number of batches of {batch} x {world} process(es): give a fraction, or "
-            "a count that suits both world sizes"
-        )
-    return samples // (batch * world)
+def set_counts(cfg: DictConfig, fitted: dict[str, int]) -> None:
+    """Write the fitted counts into `cfg.trainer` (what checkpoints record), one line."""
+    if not fitted:
+        return
+    with open_dict(cfg):
+        was = {name: cfg.trainer.get(name) for name in fitted}
+        cfg.trainer.update(fitted)
+    log.warning(
+        "on this world size the counts of batches keep their samples: "
+        + ", ".join(f"trainer.{k}={v} (given {was[k]})" for k, v in fitted.items())
+    )
+
+
+def fit_loader_counts(
+    cfg: DictConfig, position: Position | None, loaders: Any, world: int, command: dict[str, Any]
+) -> dict[str, int]:
+    """`fit_counts` for train loaders as built (a datamodule of its own: its batch size is
+    its own), written into `cfg`; returns them for the trainer."""
+    if position is None:
+        return {}
+    batch = sharding.units_per_batch(sharding.flat(loaders)[0])
+    fitted = fit_counts(cfg.trainer, position, batch, world, command)
+    set_counts(cfg, fitted)
+    return fitted

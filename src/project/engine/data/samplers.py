@@ -56,11 +56,16 @@ class ResumableSampler(SkipInEpoch, DistributedSampler):
     def positions(self) -> range:
         n = len(self.dataset)  # type: ignore[arg-type]
         mode = "drop" if self.drop_last else "pad"
-        return rank_positions(n, self.num_replicas, self.rank, self.first(), mode)
+        return rank_positions(n, self.num_replicas, self.rank, self.first(), mode, self.whole)
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
         return iter([order[p % len(order)] for p in self.positions()])
+
+    def __len__(self) -> int:
+        """A whole epoch's indices on this rank (DistributedSampler's, unless `whole` cuts it)."""
+        n, mode = len(self.dataset), "drop" if self.drop_last else "pad"  # type: ignore[arg-type]
+        return len(rank_positions(n, self.num_replicas, self.rank, 0, mode, self.whole))
 
     def left(self) -> int:
         """How many indices this epoch still yields (fewer than len after a resume)."""
@@ -174,7 +179,7 @@ class _Shares(SkipInEpoch):
 
     def positions(self) -> range:
         mode = "pad" if self.pad else "exact"
-        return rank_positions(self.total, self.world, self.rank, self.first(), mode)
+        return rank_positions(self.total, self.world, self.rank, self.first(), mode, self.whole)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -202,7 +207,7 @@ class _Shares(SkipInEpoch):
 
     def __len__(self) -> int:
         return len(rank_positions(self.total, self.world, self.rank, 0,
-                                  "pad" if self.pad else "exact"))  # fmt: skip
+                                  "pad" if self.pad else "exact", self.whole))  # fmt: skip
 
 
 class ShardedDraws(_Shares, Sampler[int]):

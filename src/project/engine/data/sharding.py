@@ -289,6 +289,26 @@ def batches_left(loader: Any) -> int | None:
     return order.left() // size if drop else math.ceil(order.left() / size)
 
 
+def drop_incomplete_steps(loaders: Any, accumulate: int, world: int) -> None:
+    """A train loader with drop_last drops its epoch's incomplete optimizer step, not each
+    rank's incomplete micro-batch: its epoch ends at the last whole global batch (batch x
+    accumulate x world positions), so it has the same steps on any world size that keeps the
+    global batch (a batch sampler's own batches are kept as they are)."""
+    for loader in flat(loaders):
+        order = _order(loader)
+        if not getattr(loader, "drop_last", False) or not isinstance(order, SkipInEpoch) or (
+                isinstance(order, ShardedBatches)):  # fmt: skip
+            continue
+        order.whole = units_per_batch(loader) * accumulate * world
+        if "drop_last" not in _warned:
+            _warned.add("drop_last")
+            log.info(
+                f"drop_last: every epoch ends at its last whole optimizer step of {order.whole} "
+                f"samples ({units_per_batch(loader)} x {accumulate} accumulated x {world} "
+                "process(es)), the same steps on any world size"
+            )
+
+
 def epoch_start(loader: Any, epoch: int) -> int:
     """The global position where `loader`'s `epoch` started (0 unless it was resumed)."""
     order = _order(loader)

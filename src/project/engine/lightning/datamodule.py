@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from project.data.source import SPLITS
@@ -84,9 +85,12 @@ def shard_datamodule(
     seed: int,
     position: elastic.Position | None = None,
     keep_global_batch: bool = True,
+    cfg: DictConfig | None = None,
+    command: dict[str, Any] | None = None,
 ) -> None:
     """Make every loader `datamodule` returns sharded over the trainer's ranks (in place), the
-    train loaders started where a resumed run's `position` says its epoch stood.
+    train loaders started where a resumed run's `position` says its epoch stood; with the
+    run's `cfg` and `command` (elastic.asked), its counts of batches fitted to them.
 
     Wraps the `*_dataloader` methods it defines; the rank and world size are read from the
     trainer when Lightning asks for the loaders.
@@ -102,13 +106,31 @@ def shard_datamodule(
             world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
             loaders = sharding.shard_loaders(original(), stage, world, rank, seed)
             if stage == "train" and trainer is not None:
-                trainer.accumulate_grad_batches = elastic.fit_accumulation(
-                    loaders, position, world, trainer.accumulate_grad_batches, keep_global_batch
-                )  # a datamodule of its own keeps its batch size: only this can change
+                fit_to_run(loaders, trainer, position, keep_global_batch, cfg, command)
                 start_where_fit_resumes(loaders, trainer, position)
             return loaders
 
         setattr(datamodule, name, sharded)
+
+
+def fit_to_run(
+    loaders: Any, trainer: pl.Trainer, position: elastic.Position | None, keep_global_batch: bool,
+    cfg: DictConfig | None, command: dict[str, Any] | None,
+) -> None:  # fmt: skip
+    """The train loaders as built, fitted to the run (project.engine.data.elastic): a
+    datamodule of its own keeps its batch size, so only the accumulation can keep the global
+    batch; the counts of batches keep their samples; drop_last drops incomplete optimizer
+    steps. Lightning reads each after this call (its limits and val_check_batch; a resumed
+    fit runs its first evaluation after it)."""
+    world = trainer.world_size
+    trainer.accumulate_grad_batches = elastic.fit_accumulation(
+        loaders, position, world, trainer.accumulate_grad_batches, keep_global_batch
+    )
+    if cfg is not None:
+        fitted = elastic.fit_loader_counts(cfg, position, loaders, world, command or {})
+        for key, value in fitted.items():
+            setattr(trainer, key, value)
+    sharding.drop_incomplete_steps(loaders, trainer.accumulate_grad_batches, world)
 
 
 def batches_done(progress: Any) -> int:

@@ -28,6 +28,7 @@ Lightning's. What had to match for that is marked "parity:".
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -228,10 +229,9 @@ class RawTrainer:
 
     def batches(self, stage: str, n: int, first: int = 0) -> Iterator[tuple[int, Any]]:
         """(index, batch on the device) for batches first..n-1 of `stage` (the loader already
-        skips the first `first` when resuming mid-epoch)."""
-        for i, batch in enumerate(self.loaders[stage], start=first):
-            if i >= n:
-                break
+        skips the first `first` when resuming mid-epoch); batch n is never read."""
+        loader = itertools.islice(self.loaders[stage], max(n - first, 0))
+        for i, batch in enumerate(loader, start=first):
             yield i, to_device(batch, self.device)
 
     def n_batches(self, stage: str) -> int:
@@ -349,6 +349,7 @@ class RawTrainer:
         if accumulate != elastic.fit_accumulation(loader, self.position, self.world, accumulate,
                                                   keep):  # fmt: skip
             raise RuntimeError("the raw trainer's loader follows data.batch_size: fit_world")
+        sharding.drop_incomplete_steps(loader, accumulate, self.world)
         first = elastic.resume(loader, self.position, epoch, self.world)
         self.position = None
         if (left := sharding.batches_left(loader)) is not None:
