@@ -247,3 +247,104 @@ def test_data_of_another_length_on_one_rank_is_one_line_on_every_rank(
     assert len(errors) == 2 and "Traceback" not in out, out[-3000:]
     assert all("the train data has" in e and "between 400 and 420" in e for e in errors), errors
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- several train loaders: a dict, a CombinedLoader of any mode ------------------------------
+def named_reads(record_dir: Path, tag: str, name: str) -> list[list[int]]:
+    """What each rank of one attempt read of the loader recorded as `name`, in order."""
+    files = sorted(record_dir.glob(f"reads-{tag}-rank*.txt"))
+    return [[int(i) for n, i in (line.split() for line in f.read_text().splitlines())
+             if n == name] for f in files]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("mode", "cuts"), [("dict", (8, 3)), ("max_size", (8,)),
+                                            ("min_size", (4,))])  # fmt: skip
+def test_several_train_loaders_are_sharded_and_resume_each_by_its_own_count(
+    tmp_path: Path, base_args, log_dir: Path, mode: str, cuts: tuple[int, ...]
+) -> None:
+    """Train loaders {"a": 200 rows, "b": 50 rows}, batch 10, 2 processes, as a dict
+    (Lightning cycles b: 10 steps an epoch, b read 3 1/3 times) or a CombinedLoader; validation
+    a CombinedLoader. The ranks read disjoint rows of every loader; stopped at each cut and
+    rerun, the run ends with the weights of the run never stopped: every loader placed by its
+    own count, the epoch as long as ever, the run not ended early."""
+    args = [*base_args, *user_data(tmp_path, "TwoLoadersDataModule", mode=mode),
+            "trainer.max_epochs=2", "test=false", "callbacks.early_stopping=null"]  # fmt: skip
+    runs = {"whole": args} | {f"cut{c}": [*args, f"fault_injection.at_step={c}",
+                                          "fault_injection.mode=sigterm"] for c in cuts}  # fmt: skip
+    jobs = {run: start(launcher(["-m", "project.train", *a]), RUN_ID=run, RECORD_TAG=run)
+            for run, a in runs.items()}  # fmt: skip
+    ended = {run: finish(job, 240) for run, job in jobs.items()}
+    assert ended["whole"][0] == 0, ended["whole"][1][-3000:]
+    for c in cuts:
+        code, out = ended[f"cut{c}"]
+        assert code == EXIT_PREEMPTED, out[-3000:]
+        job = start(launcher(["-m", "project.train", *args]), RUN_ID=f"cut{c}",
+                    RECORD_TAG=f"cut{c}-again")  # fmt: skip
+        code, out = finish(job, 240)
+        assert code == 0 and "skipping" in out, out[-3000:]
+        assert_same_weights(log_dir / "train/runs/whole", log_dir / f"train/runs/cut{c}")
+    for name, first in (("a", 20), ("b", 20), ("val_b", None)):
+        ranks = [rows[:first] for rows in named_reads(tmp_path, "whole", name)]
+        assert not set(ranks[0]) & set(ranks[1]), (name, ranks)
+    assert set(sum(named_reads(tmp_path, "whole", "val_b"), [])) == set(range(17))
+
+
+# --- a rebuilt loader keeps every option the user set ----------------------------------------
+def seed_worker_twice(worker_id: int) -> None:  # a user's worker_init_fn (picklable)
+    pass
+
+
+class MyLoader(DataLoader):
+    """A user's DataLoader subclass without an __init__ of its own."""
+
+
+@pytest.mark.quick
+def test_a_rebuilt_loader_keeps_every_option_the_user_set() -> None:
+    """Every DataLoader option survives the rebuild around the sharded sampler (in_order,
+    pin_memory_device, prefetch_factor, persistent_workers, the worker start method, ...),
+    and so does the class of a subclass without an __init__ of its own. The user's generator
+    is never drawn from (it may be shared; its state is in no checkpoint): its seed replaces
+    the run's as the base of the workers' seeds, so it still decides what they draw."""
+    user = MyLoader(DATA, batch_size=7, shuffle=True, num_workers=2, collate_fn=list,
+                    timeout=9, worker_init_fn=seed_worker_twice, multiprocessing_context="spawn",
+                    generator=torch.Generator().manual_seed(123), prefetch_factor=5,
+                    persistent_workers=True, pin_memory_device="cpu", in_order=False)  # fmt: skip
+    user_state = user.generator.get_state()
+    rebuilt = shard_loader(user, "train", 2, 1, seed=0)
+    assert type(rebuilt) is MyLoader and isinstance(rebuilt.sampler, ResumableSampler)
+    kept = {k: v for k, v in sharding.options(user).items() if k != "generator"}
+    assert {k: getattr(rebuilt, k) for k in kept} == kept
+    assert rebuilt.batch_size == 7 and rebuilt.sampler.shuffle
+    assert rebuilt.generator is not user.generator
+    assert torch.equal(user.generator.get_state(), user_state)  # never drawn from
+    set_epoch(rebuilt, 4)
+    assert rebuilt.generator.initial_seed() == sharding.worker_seed(123, 4)
+    other = DataLoader(DATA, batch_size=7, generator=torch.Generator().manual_seed(124))
+    set_epoch(other := shard_loader(other, "train", 2, 1, seed=0), 4)
+    assert other.generator.initial_seed() == sharding.worker_seed(124, 4)
+
+
+@pytest.mark.quick
+def test_a_combined_loader_is_sharded_in_its_mode() -> None:
+    """A CombinedLoader (Lightning's idiom for several loaders) has every loader sharded and
+    keeps its mode: the ranks read disjoint rows of each."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def ranks(stage: str, mode: str) -> list[list[int]]:
+        read = []
+        for rank in (0, 1):
+            loaders = {"a": DataLoader(TensorDataset(torch.arange(100)), batch_size=10,
+                                       shuffle=True),  # even: no padding to share
+                       "b": DataLoader(TensorDataset(torch.arange(200, 250)), batch_size=10)}
+            combined = sharding.shard_loaders(CombinedLoader(loaders, mode), stage, 2, rank, 0)
+            assert isinstance(combined, CombinedLoader) and combined._mode == mode
+            set_epoch(combined, 0)
+            read.append([int(i) for step in combined for part in step[0].values()
+                         if part is not None for i in part[0]])  # fmt: skip
+        return read
+
+    for stage, mode in (("train", "min_size"), ("train", "max_size"), ("val", "max_size")):
+        read = ranks(stage, mode)
+        assert read[0] and read[1] and not set(read[0]) & set(read[1]), (stage, mode)
+    assert sorted(sum(ranks("val", "max_size"), [])) == [*range(100), *range(200, 250)]

@@ -34,6 +34,7 @@ from project.engine.errors import UserError
 log = logging.getLogger(__name__)
 
 KEY = "data_position"  # the checkpoint's entry (plain values: loads with weights_only=True)
+LISTS = ("units", "offsets", "asked", "own")  # the tuples (lists in the checkpoint)
 ASKED = ("data.batch_size", "trainer.accumulate_grad_batches", "trainer.limit_train_batches")
 
 
@@ -57,6 +58,8 @@ class Position:
     follows: bool = False  # the first loader's batch was data.batch_size (which can be set)
     limit: int | None = None  # trainer.limit_train_batches then, when a count of batches
     asked: tuple[Any, ...] = ()  # the ASKED keys as the command gave them
+    own: tuple[int, ...] = ()  # per train loader: positions of its current pass read by all
+    # ranks together (its own count: a short loader cycled inside the epoch is in a later pass)
 
     @property
     def global_batch(self) -> int:
@@ -73,7 +76,7 @@ class Position:
         """A checkpoint's `KEY` entry as a Position (None: none recorded)."""
         if not saved:
             return None
-        tuples = {k: tuple(saved.get(k) or ()) for k in ("units", "offsets", "asked")}
+        tuples = {k: tuple(saved.get(k) or ()) for k in LISTS}
         return cls(**{**saved, **tuples})
 
 
@@ -93,9 +96,10 @@ def record(
         units[:1] == ((cfg.get("data") or {}).get("batch_size"),),
         limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
         tuple(command.get(key) for key in ASKED),
+        tuple(sharding.own_position(loader, epoch, batches, world) for loader in flat),
     )  # fmt: skip
     saved = asdict(position)
-    saved.update({k: list(saved[k]) for k in ("units", "offsets", "asked")})
+    saved.update({k: list(saved[k]) for k in LISTS})
     return saved
 
 
@@ -123,17 +127,19 @@ def resume(loaders: Any, position: Position | None, epoch: int, world: int) -> i
     kept = [type(loader).__name__ for loader in flat if not sharding.resumable(loader)]
     if kept:
         return _restart_warning(f"the train loader's order is its own ({kept[0]} kept as is)")
-    done = []
+    # The epoch's batches done at this world size, from the positions the batches took;
+    # each loader then starts at its own count (older checkpoints: the same for all).
+    done = min(position.consumed(i) // (sharding.units_per_batch(loader) * world)
+               for i, loader in enumerate(flat))  # fmt: skip
     for i, loader in enumerate(flat):
-        start = position.consumed(i)
-        sharding.resume_at(loader, epoch, start)
-        done.append(start // (sharding.units_per_batch(loader) * world))
+        own = position.own[i] if position.own else position.consumed(i)
+        sharding.resume_at(loader, epoch, own, done)
     log.info(
         f"Resuming epoch {epoch} at global position {position.consumed(0)} (read by "
-        f"{position.world} process(es)): skipping the {done[0]} batches each of {world} "
+        f"{position.world} process(es)): skipping the {done} batches each of {world} "
         "process(es) would have trained on"
     )
-    return min(done)
+    return done
 
 
 def fit_accumulation(
