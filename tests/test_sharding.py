@@ -4,6 +4,7 @@ custom sampler or batch sampler; data of another length on one rank refused."""
 from __future__ import annotations
 
 import collections
+import inspect
 import sys
 from pathlib import Path
 
@@ -17,7 +18,16 @@ from project.engine.data.samplers import EvalShardSampler, ResumableSampler, Sha
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
 from project.engine.distributed.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.errors import UserError
-from tests.helpers import assert_same_weights, finish, launcher, start, torchrun, user_data
+from tests.helpers import (
+    assert_same_weights,
+    finish,
+    launcher,
+    recorded_data,
+    recorded_reads,
+    start,
+    torchrun,
+    user_data,
+)
 from tests.user_data import balancing_weights
 
 DATA = TensorDataset(torch.arange(101))
@@ -270,8 +280,9 @@ def test_several_train_loaders_are_sharded_and_resume_each_by_its_own_count(
     own count, the epoch as long as ever, the run not ended early."""
     args = [*base_args, *user_data(tmp_path, "TwoLoadersDataModule", mode=mode),
             "trainer.max_epochs=2", "test=false", "callbacks.early_stopping=null"]  # fmt: skip
-    runs = {"whole": args} | {f"cut{c}": [*args, f"fault_injection.at_step={c}",
-                                          "fault_injection.mode=sigterm"] for c in cuts}  # fmt: skip
+    stop = ["fault_injection.mode=sigterm"]
+    runs = {"whole": args} | {f"cut{c}": [*args, *stop, f"fault_injection.at_step={c}"]
+                              for c in cuts}  # fmt: skip
     jobs = {run: start(launcher(["-m", "project.train", *a]), RUN_ID=run, RECORD_TAG=run)
             for run, a in runs.items()}  # fmt: skip
     ended = {run: finish(job, 240) for run, job in jobs.items()}
@@ -287,7 +298,8 @@ def test_several_train_loaders_are_sharded_and_resume_each_by_its_own_count(
     for name, first in (("a", 20), ("b", 20), ("val_b", None)):
         ranks = [rows[:first] for rows in named_reads(tmp_path, "whole", name)]
         assert not set(ranks[0]) & set(ranks[1]), (name, ranks)
-    assert set(sum(named_reads(tmp_path, "whole", "val_b"), [])) == set(range(17))
+    val_b = named_reads(tmp_path, "whole", "val_b")
+    assert set(val_b[0]) | set(val_b[1]) == set(range(17))
 
 
 # --- a rebuilt loader keeps every option the user set ----------------------------------------
@@ -312,9 +324,12 @@ def test_a_rebuilt_loader_keeps_every_option_the_user_set() -> None:
                     persistent_workers=True, pin_memory_device="cpu", in_order=False)  # fmt: skip
     user_state = user.generator.get_state()
     rebuilt = shard_loader(user, "train", 2, 1, seed=0)
-    assert type(rebuilt) is MyLoader and isinstance(rebuilt.sampler, ResumableSampler)
-    kept = {k: v for k, v in sharding.options(user).items() if k != "generator"}
+    sampling = ("self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler",
+                "drop_last", "generator")  # fmt: skip
+    kept = {k: getattr(user, k) for k in inspect.signature(DataLoader.__init__).parameters
+            if k not in sampling}  # fmt: skip
     assert {k: getattr(rebuilt, k) for k in kept} == kept
+    assert type(rebuilt) is MyLoader and isinstance(rebuilt.sampler, ResumableSampler)
     assert rebuilt.batch_size == 7 and rebuilt.sampler.shuffle
     assert rebuilt.generator is not user.generator
     assert torch.equal(user.generator.get_state(), user_state)  # never drawn from
@@ -334,9 +349,9 @@ def test_a_combined_loader_is_sharded_in_its_mode() -> None:
     def ranks(stage: str, mode: str) -> list[list[int]]:
         read = []
         for rank in (0, 1):
-            loaders = {"a": DataLoader(TensorDataset(torch.arange(100)), batch_size=10,
-                                       shuffle=True),  # even: no padding to share
-                       "b": DataLoader(TensorDataset(torch.arange(200, 250)), batch_size=10)}
+            even, short = TensorDataset(torch.arange(100)), TensorDataset(torch.arange(200, 250))
+            loaders = {"a": DataLoader(even, batch_size=10, shuffle=True),  # even: no padding
+                       "b": DataLoader(short, batch_size=10)}  # fmt: skip
             combined = sharding.shard_loaders(CombinedLoader(loaders, mode), stage, 2, rank, 0)
             assert isinstance(combined, CombinedLoader) and combined._mode == mode
             set_epoch(combined, 0)
@@ -347,4 +362,35 @@ def test_a_combined_loader_is_sharded_in_its_mode() -> None:
     for stage, mode in (("train", "min_size"), ("train", "max_size"), ("val", "max_size")):
         read = ranks(stage, mode)
         assert read[0] and read[1] and not set(read[0]) & set(read[1]), (stage, mode)
-    assert sorted(sum(ranks("val", "max_size"), [])) == [*range(100), *range(200, 250)]
+    val = ranks("val", "max_size")
+    assert sorted(val[0] + val[1]) == [*range(100), *range(200, 250)]
+
+
+# --- a resume at an epoch boundary, with DataLoader workers ----------------------------------
+@pytest.mark.distributed
+def test_a_resume_at_an_epoch_boundary_draws_the_next_epochs_order_with_workers(
+    tmp_path: Path, base_args, log_dir: Path
+) -> None:
+    """Lightning >= 2.5.3 makes the first iterator after a resume before it sets the samplers'
+    epoch, so a loader with workers takes the epoch-0 shuffle again (Lightning issue 21938).
+    The template's loaders, 2 workers per rank, stopped at the end of epoch 0 and rerun: each
+    rank reads epoch 1's rows, and the run ends with the weights of the run never stopped."""
+    args = [*base_args, *recorded_data(tmp_path, 160), "data.batch_size=20",
+            "data.num_workers=2", "trainer.max_epochs=2", "test=false",
+            "callbacks.early_stopping=null", "trainer.num_sanity_val_steps=0",
+            "callbacks.fault_tolerance.check_every_n_steps=1"]  # 4 steps an epoch  # fmt: skip
+    cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
+    jobs = [start(launcher(["-m", "project.train", *a]), RUN_ID=run, RECORD_TAG=run)
+            for a, run in ((args, "whole"), (cut, "cut"))]  # fmt: skip
+    (whole, out), (stopped, cut_out) = (finish(job, 240) for job in jobs)
+    assert whole == 0 and stopped == EXIT_PREEMPTED, (out + cut_out)[-3000:]
+    ckpt = torch.load(log_dir / "train/runs/cut/checkpoints/last.ckpt", weights_only=True)
+    assert (ckpt["data_position"]["epoch"], ckpt["data_position"]["batches"]) == (1, 0)
+    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="cut",
+                             RECORD_TAG="again"), 240)  # fmt: skip
+    assert code == 0, out[-3000:]
+    epochs = [(set(rows[:80]), set(rows[80:])) for rows in recorded_reads(tmp_path, "whole")]
+    again = [set(rows) for rows in recorded_reads(tmp_path, "again")]
+    assert all(e0 != e1 for e0, e1 in epochs)  # the orders differ: the check below can fail
+    assert again == [e1 for _, e1 in epochs]
+    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/cut")

@@ -33,9 +33,9 @@ from project.data.stream import ShardedStream, rank_positions
 from project.engine.data import elastic, sharding
 from project.engine.data.samplers import ResumableSampler, ShardedDraws
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
-from project.engine.lightning.combined import combine_train
 from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
+from project.engine.lightning.combined import combine_train
 from tests.helpers import (
     QUIET,
     final_weights,
@@ -451,7 +451,7 @@ def test_several_train_loaders_resume_each_by_its_own_count(mode: str, short: st
             resumed = two_loaders(mode, short, rank)
             set_epoch(resumed, 1)
             assert elastic.resume(resumed, elastic.Position.of(saved), 1, 2) == cut
-            assert combined_steps(resumed, cut) == whole[cut:], (rank, cut, saved["own"])
+            assert combined_steps(resumed, cut) == whole[cut:], (rank, cut, saved)
 
 
 @pytest.mark.quick

@@ -194,8 +194,8 @@ class TwoLoadersDataModule(pl.LightningDataModule):
                 for k, s in sets.items()}  # fmt: skip
 
     def train_dataloader(self) -> dict[str, DataLoader] | CombinedLoader:
-        loaders = self._loaders(self.train_sets, shuffle=True)
-        return loaders if self.hparams.mode == "dict" else CombinedLoader(loaders, self.hparams.mode)
+        loaders, mode = self._loaders(self.train_sets, shuffle=True), self.hparams.mode
+        return loaders if mode == "dict" else CombinedLoader(loaders, mode)
 
     def val_dataloader(self) -> CombinedLoader:
         return CombinedLoader(self._loaders(self.val_sets, shuffle=False), "max_size")

@@ -123,6 +123,17 @@ def kill_launched_ranks(trainer: Any, signum: int) -> None:
         launcher.kill(signum)
 
 
+def combined_mode(combined: Any) -> str:
+    """A Lightning CombinedLoader's mode (it has no public getter)."""
+    return combined._mode
+
+
+def reread_through(combined: Any, wrap: Callable[[Any], Any]) -> None:
+    """After `iter(combined)`: its iterator reads a loader again (`max_size_cycle`) through
+    `wrap(loader)`, so the loader can be told that a later pass begins."""
+    combined._iterator.iterables = [wrap(loader) for loader in combined.flattened]
+
+
 # feature:tracking
 def flat_params(params: Any) -> dict[str, Any]:
     """Hyperparameters as the flat {dotted key: value} dict Lightning's loggers log."""

@@ -20,6 +20,7 @@ from typing import Any
 from lightning.pytorch.utilities import CombinedLoader
 
 from project.engine.data import sharding
+from project.engine.private_api import combined_mode, reread_through
 
 log = logging.getLogger(__name__)
 CYCLE = "max_size_cycle"  # Lightning's mode for several train loaders given without one
@@ -45,7 +46,7 @@ class Cycled(CombinedLoader):
 
     def __iter__(self) -> Cycled:
         super().__iter__()
-        self._iterator.iterables = [_Again(loader) for loader in self.flattened]
+        reread_through(self, _Again)
         return self
 
 
@@ -55,7 +56,7 @@ def combine_train(loaders: Any) -> Any:
     mode, is returned as it is; so is a subclass of CombinedLoader (its own behaviour kept,
     with one warning that a cycled loader's mid-epoch resume is not exact)."""
     if isinstance(loaders, CombinedLoader):
-        mode, iterables = loaders._mode, loaders.iterables
+        mode, iterables = combined_mode(loaders), loaders.iterables
     elif isinstance(loaders, Mapping | list | tuple):
         mode, iterables = CYCLE, loaders
     else:
