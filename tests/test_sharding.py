@@ -279,7 +279,9 @@ def test_several_train_loaders_are_sharded_and_resume_each_by_its_own_count(
     rerun, the run ends with the weights of the run never stopped: every loader placed by its
     own count, the epoch as long as ever, the run not ended early."""
     args = [*base_args, *user_data(tmp_path, "TwoLoadersDataModule", mode=mode),
-            "trainer.max_epochs=2", "test=false", "callbacks.early_stopping=null"]  # fmt: skip
+            "trainer.max_epochs=2", "test=false", "callbacks.early_stopping=null",
+            "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
+    steps = 3 if mode == "min_size" else 10  # an epoch: the shortest loader's, or the longest's
     stop = ["fault_injection.mode=sigterm"]
     runs = {"whole": args} | {f"cut{c}": [*args, *stop, f"fault_injection.at_step={c}"]
                               for c in cuts}  # fmt: skip
@@ -290,6 +292,8 @@ def test_several_train_loaders_are_sharded_and_resume_each_by_its_own_count(
     for c in cuts:
         code, out = ended[f"cut{c}"]
         assert code == EXIT_PREEMPTED, out[-3000:]
+        ckpt = torch.load(log_dir / f"train/runs/cut{c}/checkpoints/last.ckpt", weights_only=True)
+        assert ckpt["data_position"]["batches"] == c % steps  # stopped where the test says
         job = start(launcher(["-m", "project.train", *args]), RUN_ID=f"cut{c}",
                     RECORD_TAG=f"cut{c}-again")  # fmt: skip
         code, out = finish(job, 240)

@@ -21,8 +21,10 @@ Every one of these resumes exactly at a global position of the epoch (`resume_at
 world size (samplers.py: one layout for all). Anything else (an IterableDataset that does not
 shard itself) stops a multi-process run at start-up with one line; in a single process it is
 kept, with one warning that a mid-epoch resume restarts the epoch. All ranks must see data of
-the same length: a mismatch is one line on every rank. Lists and dicts of loaders (Lightning
-allows them) are sharded, given their epoch and resumed loader by loader.
+the same length: a mismatch is one line on every rank. Lists and dicts of loaders and
+Lightning's CombinedLoader (in its mode) are sharded, given their epoch and resumed loader by
+loader, each at its own count (`own_position`: Lightning re-reads a short train loader inside
+the epoch, project.engine.lightning.combined). A rebuilt loader keeps every DataLoader option.
 """
 
 from __future__ import annotations
