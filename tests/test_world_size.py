@@ -13,9 +13,11 @@ import math
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.utilities import CombinedLoader
 from omegaconf import OmegaConf
 from torch.utils.data import (
     BatchSampler,
@@ -33,6 +35,7 @@ from project.engine.data.samplers import ResumableSampler, ShardedDraws
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
 from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
+from project.engine.lightning.combined import combine_train
 from tests.helpers import (
     QUIET,
     final_weights,
@@ -395,6 +398,75 @@ def test_a_dict_of_train_loaders_gets_its_epoch_and_resume_point() -> None:
     assert saved["units"] == [10, 5]
     assert elastic.resume(loaders, elastic.Position.of(saved), 3, 2) == 2
     assert {k: batches(v) for k, v in loaders.items()} == {k: v[2:] for k, v in whole.items()}
+
+
+class FewIds(ShardedStream):
+    """23 ids from 1000 on, in 3 shards: a short stream beside DATA."""
+
+    def __init__(self) -> None:
+        super().__init__([7, 9, 7], shuffle=True)
+
+    def read(self, shard: int) -> range:
+        start = 1000 + sum(self.lengths[:shard])
+        return range(start, start + self.lengths[shard])
+
+
+def two_loaders(mode: str, short: str, rank: int) -> Any:
+    """{"a": 101 rows, batch 5 (11 steps a rank), "b": 23 rows, batch 4 (3 steps a rank)} on
+    rank `rank` of 2, as the Lightning wrapper returns them (a dict: Lightning's cycling)."""
+    b = FewIds() if short == "stream" else TensorDataset(torch.arange(1000, 1023))
+    loaders = {"a": DataLoader(DATA, batch_size=5, shuffle=True),
+               "b": DataLoader(b, batch_size=4, shuffle=short != "stream")}  # fmt: skip
+    given = loaders if mode == "dict" else CombinedLoader(loaders, mode)
+    return combine_train(sharding.shard_loaders(given, "train", 2, rank, seed=5))
+
+
+def combined_steps(loaders: Any, first: int = 0) -> list[dict[str, list[int] | None]]:
+    """The rest of the epoch from step `first` on, as Lightning's fit loop reads it: an epoch
+    of len(combined) steps."""
+    mode = getattr(loaders, "_mode", "max_size_cycle")
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, mode)
+    steps = iter(combined)
+    return [{k: None if v is None else v[0].tolist() for k, v in next(steps)[0].items()}
+            for _ in range(first, len(combined))]  # fmt: skip
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("short", ["plain", "stream"])
+@pytest.mark.parametrize("mode", ["dict", "max_size_cycle", "max_size", "min_size"])
+def test_several_train_loaders_resume_each_by_its_own_count(mode: str, short: str) -> None:
+    """Two train loaders combined as Lightning does (a dict: the short one cycled), on 2 ranks:
+    stopped after any step of epoch 1 and resumed, each rank reads the rest of the epoch the
+    uninterrupted run read, in an epoch of the same length: a cycled loader resumes inside
+    its own pass and reads its later passes whole."""
+    cfg = config(5)
+    for rank in (0, 1):
+        whole_run = two_loaders(mode, short, rank)
+        set_epoch(whole_run, 1)
+        whole = combined_steps(whole_run)
+        for cut in range(1, len(whole)):
+            stopped = two_loaders(mode, short, rank)
+            set_epoch(stopped, 1)
+            saved = elastic.record(stopped, 1, cut, 2, 1, cfg, elastic.asked(cfg))
+            resumed = two_loaders(mode, short, rank)
+            set_epoch(resumed, 1)
+            assert elastic.resume(resumed, elastic.Position.of(saved), 1, 2) == cut
+            assert combined_steps(resumed, cut) == whole[cut:], (rank, cut, saved)
+
+
+@pytest.mark.quick
+def test_a_resumed_cycled_loader_records_its_own_count_again() -> None:
+    """Resumed at step 4 and stopped again at step 8: the second checkpoint places the cycled
+    loader where the uninterrupted run had it (its pass restarted inside the epoch)."""
+    cfg = config(5)
+    whole = two_loaders("dict", "plain", 0)
+    set_epoch(whole, 1)
+    at_8 = elastic.record(whole, 1, 8, 2, 1, cfg, elastic.asked(cfg))
+    once = two_loaders("dict", "plain", 0)
+    set_epoch(once, 1)
+    elastic.resume(once, elastic.Position.of(elastic.record(once, 1, 4, 2, 1, cfg, {})), 1, 2)
+    combined_steps(once, 4)  # the rest of the epoch: b cycled once more
+    assert elastic.record(once, 1, 8, 2, 1, cfg, elastic.asked(cfg))["own"] == at_8["own"]
 
 
 @pytest.mark.quick

@@ -12,11 +12,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler, get_worker_info
 
 from project.data.source import DataSource
@@ -197,3 +199,35 @@ class OwnBatchDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.sets["test"], batch_size=self.hparams.per_rank_batch)
+
+
+class TwoLoadersDataModule(pl.LightningDataModule):
+    """Two train loaders of different lengths, as Lightning's docs write them: a dict (Lightning
+    cycles the short one, `max_size_cycle`) or a CombinedLoader of `mode`; validation is a
+    CombinedLoader too. Each step trains on both loaders' batches together. Reads are recorded
+    as "a i", "b i", "val_a i", "val_b i"."""
+
+    def __init__(self, record_dir: str, mode: str = "dict", n_a: int = 200, n_b: int = 50,
+                 batch_size: int = 10) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str | None = None) -> None:
+        h, d = self.hparams, self.hparams.record_dir
+        self.train_sets = {"a": Recorded("a", h.n_a, 0, d), "b": Recorded("b", h.n_b, 5000, d)}
+        self.val_sets = {"a": Recorded("val_a", 30, 10**6, d), "b": Recorded("val_b", 17, 0, d)}
+
+    def _loaders(self, sets: dict[str, Dataset], shuffle: bool) -> dict[str, DataLoader]:
+        return {k: DataLoader(s, batch_size=self.hparams.batch_size, shuffle=shuffle)
+                for k, s in sets.items()}  # fmt: skip
+
+    def train_dataloader(self) -> dict[str, DataLoader] | CombinedLoader:
+        loaders, mode = self._loaders(self.train_sets, shuffle=True), self.hparams.mode
+        return loaders if mode == "dict" else CombinedLoader(loaders, mode)
+
+    def val_dataloader(self) -> CombinedLoader:
+        return CombinedLoader(self._loaders(self.val_sets, shuffle=False), "max_size")
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        parts = [b for b in batch.values() if b is not None]  # max_size: None once one ran out
+        return [torch.cat(t) for t in zip(*parts, strict=True)]

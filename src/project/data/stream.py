@@ -57,21 +57,35 @@ def rank_positions(
 
 
 class SkipInEpoch:
-    """A mid-epoch resume point: `skip(p)` makes the current epoch start at global position p
-    (what every rank of the interrupted run had read together, at any world size); other
-    epochs are whole (the stream here, and the engine's samplers)."""
+    """A mid-epoch resume point: `skip(p, b)` makes the current epoch start at global position
+    p (what every rank of the interrupted run had read together, at any world size), which is
+    batch b of the epoch; other epochs are whole (the stream here, and the engine's samplers).
+    A loader that Lightning cycles inside an epoch (a short one of several, `max_size_cycle`)
+    reads its later passes whole: `restart()` before each."""
 
     epoch = 0
-    _skip = (0, 0)  # (epoch, global position)
+    _skip = (0, 0, 0)  # (epoch, global position, the epoch's batch it is)
+    _restarted = -1  # the epoch whose current pass is a later, whole one
+    cycles = False  # read again inside an epoch when it runs out (set by the machinery)
     whole = 0  # drop_last: the epoch ends at its last multiple of this (rank_positions)
 
-    def skip(self, position: int) -> None:
-        self._skip = (self.epoch, position)
+    def skip(self, position: int, batch: int = 0) -> None:
+        self._skip, self._restarted = (self.epoch, position, batch), -1
+
+    def restart(self) -> None:
+        """The next pass of this epoch reads it whole, from position 0."""
+        self._restarted = self.epoch
+
+    def resumed(self) -> tuple[int, int]:
+        """(global position, batch) where this epoch's first pass started: (0, 0) unless
+        it was resumed."""
+        epoch, position, batch = self._skip
+        return (position, batch) if epoch == self.epoch else (0, 0)
 
     def first(self) -> int:
-        """Where this epoch starts: the skipped-to position if it is the resumed epoch."""
-        epoch, position = self._skip
-        return position if epoch == self.epoch else 0
+        """Where the current pass starts: the skipped-to position in the resumed epoch's first
+        pass, else 0."""
+        return 0 if self._restarted == self.epoch else self.resumed()[0]
 
 
 class ShardedStream(SkipInEpoch, IterableDataset):

@@ -73,6 +73,11 @@ USED = (
     ("lightning.pytorch.loops.progress", "_ProcessedTracker.started"),
     ("lightning.pytorch.loops.progress", "_ProcessedTracker.processed"),
     ("lightning.pytorch.loops.progress", "_ProcessedTracker.completed"),
+    # Several train loaders cycled in an epoch, each resumed by its own count
+    # (engine/lightning/combined.py): the mode, and the iterator's loaders it reads again.
+    ("lightning.pytorch.utilities.combined_loader", "CombinedLoader._mode"),
+    ("lightning.pytorch.utilities.combined_loader", "CombinedLoader._iterator"),
+    ("lightning.pytorch.utilities.combined_loader", "_ModeIterator.iterables"),
     # PowerSGD as the template's comm hook drives it (engine/distributed/comm_hooks.py): which
     # tensors it compresses, and the state it keys by bucket, which the hook moves when DDP
     # regroups and saves per rank. How powerSGD_hook groups P and Q by shape has no name to
@@ -116,6 +121,17 @@ def kill_launched_ranks(trainer: Any, signum: int) -> None:
     launcher = trainer.strategy.launcher
     if isinstance(launcher, _SubprocessScriptLauncher):
         launcher.kill(signum)
+
+
+def combined_mode(combined: Any) -> str:
+    """A Lightning CombinedLoader's mode (it has no public getter)."""
+    return combined._mode
+
+
+def reread_through(combined: Any, wrap: Callable[[Any], Any]) -> None:
+    """After `iter(combined)`: its iterator reads a loader again (`max_size_cycle`) through
+    `wrap(loader)`, so the loader can be told that a later pass begins."""
+    combined._iterator.iterables = [wrap(loader) for loader in combined.flattened]
 
 
 # feature:tracking

@@ -60,7 +60,7 @@ def count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-TUPLES = ("units", "offsets", "asked", "counts")  # Position's fields saved as lists
+TUPLES = ("units", "offsets", "asked", "counts", "own")  # Position's fields saved as lists
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Position:
     limit: int | None = None  # trainer.limit_train_batches then, when a count of batches
     asked: tuple[Any, ...] = ()  # the ASKED keys as the command gave them
     counts: tuple[int | None, ...] = ()  # the COUNTS keys in effect then (None: no count)
+    own: tuple[int, ...] = ()  # per train loader: positions of its current pass read by all
+    # ranks together (its own count: a short loader cycled inside the epoch is in a later pass)
 
     @property
     def global_batch(self) -> int:
@@ -112,6 +114,7 @@ def record(
         epoch, batches, world, accumulate, units, offsets,
         units[:1] == ((cfg.get("data") or {}).get("batch_size"),),
         in_effect[0], tuple(command.get(key) for key in ASKED), in_effect,
+        tuple(sharding.own_position(loader, epoch, batches, world) for loader in flat),
     )  # fmt: skip
     saved = asdict(position)
     saved.update({k: list(saved[k]) for k in TUPLES})
@@ -142,17 +145,19 @@ def resume(loaders: Any, position: Position | None, epoch: int, world: int) -> i
     kept = [type(loader).__name__ for loader in flat if not sharding.resumable(loader)]
     if kept:
         return _restart_warning(f"the train loader's order is its own ({kept[0]} kept as is)")
-    done = []
+    # The epoch's batches done at this world size, from the positions the batches took;
+    # each loader then starts at its own count (older checkpoints: the same for all).
+    done = min(position.consumed(i) // (sharding.units_per_batch(loader) * world)
+               for i, loader in enumerate(flat))  # fmt: skip
     for i, loader in enumerate(flat):
-        start = position.consumed(i)
-        sharding.resume_at(loader, epoch, start)
-        done.append(start // (sharding.units_per_batch(loader) * world))
+        own = position.own[i] if position.own else position.consumed(i)
+        sharding.resume_at(loader, epoch, own, done)
     log.info(
         f"Resuming epoch {epoch} at global position {position.consumed(0)} (read by "
-        f"{position.world} process(es)): skipping the {done[0]} batches each of {world} "
+        f"{position.world} process(es)): skipping the {done} batches each of {world} "
         "process(es) would have trained on"
     )
-    return min(done)
+    return done
 
 
 def fit_accumulation(

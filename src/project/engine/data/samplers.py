@@ -53,10 +53,12 @@ class ResumableSampler(SkipInEpoch, DistributedSampler):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(n, generator=generator).tolist()
 
-    def positions(self) -> range:
+    def positions(self, start: int | None = None) -> range:
+        """This rank's positions from global position `start` (None: where this pass starts)."""
         n = len(self.dataset)  # type: ignore[arg-type]
         mode = "drop" if self.drop_last else "pad"
-        return rank_positions(n, self.num_replicas, self.rank, self.first(), mode, self.whole)
+        start = self.first() if start is None else start
+        return rank_positions(n, self.num_replicas, self.rank, start, mode, self.whole)
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
@@ -177,9 +179,11 @@ class _Shares(SkipInEpoch):
     def draws(self, epoch: int) -> Iterator[Any]:
         return itertools.chain.from_iterable(self.chunks(epoch))
 
-    def positions(self) -> range:
+    def positions(self, start: int | None = None) -> range:
+        """This rank's positions from global position `start` (None: where this pass starts)."""
         mode = "pad" if self.pad else "exact"
-        return rank_positions(self.total, self.world, self.rank, self.first(), mode, self.whole)
+        start = self.first() if start is None else start
+        return rank_positions(self.total, self.world, self.rank, start, mode, self.whole)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -21,12 +21,15 @@ Every one of these resumes exactly at a global position of the epoch (`resume_at
 world size (samplers.py: one layout for all). Anything else (an IterableDataset that does not
 shard itself) stops a multi-process run at start-up with one line; in a single process it is
 kept, with one warning that a mid-epoch resume restarts the epoch. All ranks must see data of
-the same length: a mismatch is one line on every rank. Lists and dicts of loaders (Lightning
-allows them) are sharded, given their epoch and resumed loader by loader.
+the same length: a mismatch is one line on every rank. Lists and dicts of loaders and
+Lightning's CombinedLoader (in its mode) are sharded, given their epoch and resumed loader by
+loader, each at its own count (`own_position`: Lightning re-reads a short train loader inside
+the epoch, project.engine.lightning.combined). A rebuilt loader keeps every DataLoader option.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
@@ -59,32 +62,52 @@ log = logging.getLogger(__name__)
 OURS = (ResumableSampler, EvalShardSampler, ShardedDraws)
 
 
+_warned: set[str] = set()
+# How a loader samples: replaced by `_rebuild`; every other DataLoader option is kept.
+SAMPLING = ("self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+def options(loader: DataLoader) -> dict[str, Any]:
+    """Every option of DataLoader.__init__ but how it samples, read back from `loader` (it
+    keeps each under its parameter's name): in_order, pin_memory_device, prefetch_factor,
+    ..., and whatever a later torch adds."""
+    params = inspect.signature(DataLoader.__init__).parameters
+    return {name: getattr(loader, name, p.default) for name, p in params.items()
+            if name not in SAMPLING}  # fmt: skip
+
+
 def _rebuild(loader: DataLoader, seed: int, **sampling: Any) -> DataLoader:
     """`loader` with `sampling` (a sampler and its batch size, or a batch sampler) instead of
-    its own; every other setting kept.
+    its own; every other option kept (`options`).
 
     A private generator seeds each new iterator's workers (else every iterator draws its base
     seed from the global RNG, so dropout masks would depend on when iterators were made);
-    `set_epoch` reseeds it from (seed, epoch), so workers draw alike after a resume.
+    `set_epoch` reseeds it from (seed, epoch), so workers draw alike after a resume. A user's
+    own generator is not drawn from (it may be shared, and its state is in no checkpoint):
+    its seed takes the run seed's place, so it still decides what the workers draw.
     """
     if "batch_sampler" not in sampling and "batch_size" not in sampling:
         sampling.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
-    return DataLoader(
-        loader.dataset,
-        **sampling,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory and torch.cuda.is_available(),
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=torch.Generator().manual_seed(seed),
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers and loader.num_workers > 0,
-    )
+    kept = options(loader)
+    user = kept.pop("generator")
+    base = user.initial_seed() if isinstance(user, torch.Generator) else seed
+    kept["pin_memory"] = kept["pin_memory"] and torch.cuda.is_available()  # else one warning
+    cls = type(loader)
+    if cls.__init__ is not DataLoader.__init__:  # its own arguments cannot be replayed
+        _warn_once(cls.__name__, f"the {cls.__name__} (a DataLoader subclass with its own "
+                   "__init__) is rebuilt as a plain DataLoader around the sharded sampler, "
+                   "with every DataLoader option it had; its own methods are not used")  # fmt: skip
+        cls = DataLoader
+    new = cls(loader.dataset, **sampling, **kept, generator=torch.Generator().manual_seed(base))
+    if user is not None:
+        new.worker_seed_base = base  # set_epoch: the user's seed, not the sampler's
+    return new
 
 
-_warned: set[str] = set()
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
 
 
 def resumes_exactly() -> None:
@@ -213,17 +236,25 @@ def shard_loader(loader: Any, stage: str, world: int, rank: int, seed: int) -> A
             f"dataset is an IterableDataset ({what}) that does not split itself. Subclass "
             "project.data.stream.ShardedStream (docs/data.md), or return a map-style dataset"
         )
-    if stage == "train" and stage not in _warned:
-        _warned.add(stage)
-        log.warning(
-            f"the train DataLoader is used as it is (an IterableDataset, {what}): a resume from "
-            "a mid-epoch checkpoint restarts that epoch's order, so it is not exact"
-        )
+    if stage == "train":
+        _warn_once(stage, f"the train DataLoader is used as it is (an IterableDataset, {what}): "
+                   "a resume from a mid-epoch checkpoint restarts that epoch's order, so it is "
+                   "not exact")  # fmt: skip
     return loader
 
 
+def combined(loaders: Any) -> bool:
+    """Whether `loaders` is Lightning's CombinedLoader (its loaders in `iterables`, a mode;
+    told by shape: this module does not import Lightning)."""
+    return hasattr(loaders, "flattened") and hasattr(loaders, "iterables")
+
+
 def shard_loaders(loaders: Any, stage: str, world: int, rank: int, seed: int) -> Any:
-    """`shard_loader` over one loader or a list/tuple/dict of loaders (Lightning allows all)."""
+    """`shard_loader` over one loader or a list/tuple/dict of loaders or a CombinedLoader of
+    them (Lightning allows all; a CombinedLoader keeps its mode)."""
+    if combined(loaders):
+        loaders.flattened = [shard_loader(v, stage, world, rank, seed) for v in loaders.flattened]
+        return loaders
     if isinstance(loaders, Mapping):
         return {k: shard_loader(v, stage, world, rank, seed) for k, v in loaders.items()}
     if isinstance(loaders, (list, tuple)):
@@ -232,7 +263,10 @@ def shard_loaders(loaders: Any, stage: str, world: int, rank: int, seed: int) ->
 
 
 def flat(loaders: Any) -> list[Any]:
-    """The loaders of one loader or a list/tuple/dict of them, in a fixed order."""
+    """The loaders of one loader or a list/tuple/dict (or CombinedLoader) of them, in a
+    fixed order."""
+    if combined(loaders):
+        return flat(loaders.iterables)
     if isinstance(loaders, Mapping):
         return [loader for key in sorted(loaders) for loader in flat(loaders[key])]
     if isinstance(loaders, (list, tuple)):
@@ -275,7 +309,8 @@ def set_epoch(loaders: Any, epoch: int) -> None:
                 part.set_epoch(epoch)
         order, generator = _order(loader), getattr(loader, "generator", None)
         if order is not None and isinstance(generator, torch.Generator):
-            generator.manual_seed(worker_seed(getattr(order, "seed", 0), epoch))
+            base = getattr(loader, "worker_seed_base", getattr(order, "seed", 0))
+            generator.manual_seed(worker_seed(base, epoch))
 
 
 def batches_left(loader: Any) -> int | None:
@@ -312,7 +347,7 @@ def drop_incomplete_steps(loaders: Any, accumulate: int, world: int) -> None:
 def epoch_start(loader: Any, epoch: int) -> int:
     """The global position where `loader`'s `epoch` started (0 unless it was resumed)."""
     order = _order(loader)
-    return order.first() if isinstance(order, SkipInEpoch) and order.epoch == epoch else 0
+    return order.resumed()[0] if isinstance(order, SkipInEpoch) and order.epoch == epoch else 0
 
 
 def resumable(loader: Any) -> bool:
@@ -321,15 +356,52 @@ def resumable(loader: Any) -> bool:
     return order is not None and not isinstance(order, EvalShardSampler)
 
 
-def resume_at(loader: Any, epoch: int, position: int) -> bool:
+def resume_at(loader: Any, epoch: int, position: int, batch: int = 0) -> bool:
     """Make `loader`'s `epoch` start at global `position` of its order (the positions every
-    rank read together before a mid-epoch checkpoint: batches x units_per_batch x world of
-    the run that wrote it); other epochs are whole. False when its order is not ours.
+    rank read together before a mid-epoch checkpoint), which is the epoch's `batch` (the
+    trainer's count); other epochs are whole. False when its order is not ours.
 
     With DataLoader workers, call it before the epoch's iterator is made: the workers take
     their copy of the order then."""
     if not resumable(loader):
         return False
     set_epoch(loader, epoch)
-    _order(loader).skip(position)
+    _order(loader).skip(position, batch)
     return True
+
+
+# --- several train loaders: each by its own count -------------------------------------------
+def cycle_in_epoch(loaders: Any) -> None:
+    """Mark the train `loaders` as cycled inside an epoch (Lightning's `max_size_cycle`, its
+    default for several): a short one is read again from its start when it runs out, so its
+    place in a checkpoint is its own count in its current pass (`own_position`)."""
+    for loader in flat(loaders):
+        if isinstance(order := _order(loader), SkipInEpoch):
+            order.cycles = True
+
+
+def restart(loader: Any) -> None:
+    """`loader` is read again inside the epoch (cycled): this pass reads its order whole."""
+    if isinstance(order := _order(loader), SkipInEpoch):
+        order.restart()
+
+
+def pass_batches(loader: Any, start: int) -> int:
+    """The batches one pass of `loader`'s epoch yields on this rank from global `start`."""
+    size, drop = units_per_batch(loader), getattr(loader, "drop_last", False)
+    left = len(_order(loader).positions(start))
+    return left // size if drop else math.ceil(left / size)
+
+
+def own_position(loader: Any, epoch: int, batches: int, world: int) -> int:
+    """Positions of `loader`'s current pass of `epoch` every rank read together after the
+    epoch's first `batches` batches (this world's count): past its end for a loader that ran
+    out (Lightning's max_size), within its pass for one that is cycled (`cycle_in_epoch`)."""
+    order, units = _order(loader), units_per_batch(loader)
+    ours = isinstance(order, SkipInEpoch) and order.epoch == epoch
+    start, first_batch = order.resumed() if ours else (0, 0)
+    read = batches - first_batch  # batches read since the epoch (re)started here
+    if getattr(order, "cycles", False) and read >= (first := pass_batches(loader, start)):
+        whole = pass_batches(loader, 0)
+        return (read - first) % whole * units * world if whole else 0
+    return start + read * units * world

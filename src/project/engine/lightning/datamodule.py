@@ -22,6 +22,7 @@ from project.data.source import SPLITS
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
+from project.engine.lightning.combined import combine_train
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ def shard_datamodule(
             trainer = datamodule.trainer
             world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
             loaders = sharding.shard_loaders(original(), stage, world, rank, seed)
+            if stage == "train":
+                loaders = combine_train(loaders)  # several: each resumed by its own count
             if stage == "train" and trainer is not None:
                 fit_to_run(loaders, trainer, position, keep_global_batch, cfg, command)
                 start_where_fit_resumes(loaders, trainer, position)
