@@ -73,7 +73,7 @@ USED = (
     ("lightning.pytorch.loops.progress", "_ProcessedTracker.started"),
     ("lightning.pytorch.loops.progress", "_ProcessedTracker.processed"),
     ("lightning.pytorch.loops.progress", "_ProcessedTracker.completed"),
-    # PowerSGD as the template's comm hook drives it (engine/distributed/comm_hooks.py): which
+    # PowerSGD as the template's comm hook drives it (engine/distributed/comm_hooks/): which
     # tensors it compresses, and the state it keys by bucket, which the hook moves when DDP
     # regroups and saves per rank. How powerSGD_hook groups P and Q by shape has no name to
     # list: a test checks BucketLayouts.slices against a real call (tests/test_comm_hooks.py).
