@@ -72,8 +72,9 @@ PRESENTATION = {
 IMPLEMENTED_CALLBACKS = ("model_checkpoint", "early_stopping", "fault_tolerance")
 # Lightning features this trainer does not implement: refused when set to anything but this
 # value or null (see check_config). The raw trainer checks early stopping after each
-# validation only: Lightning's rule with check_on_train_epoch_end=false (its default, true in
-# the usual set-up, also checks at the end of an epoch max_steps cut short, on no value).
+# validation: Lightning's rule with check_on_train_epoch_end=false. With true Lightning also
+# checks at epoch ends without a validation (null: the same in the usual set-up, where only an
+# epoch that max_steps cuts short has none, and Lightning then fails on the missing metric).
 REFUSED = {"trainer.overfit_batches": 0.0, "trainer.detect_anomaly": False,
            "callbacks.early_stopping.check_on_train_epoch_end": False}  # fmt: skip
 # The groups whose keys Lightning hands to its objects (Trainer, the adapters, the callbacks):
@@ -124,8 +125,8 @@ def check_config(cfg: DictConfig) -> None:
                 f"trainer cannot run: it runs {target}'s plain-PyTorch parts (project.tasks, "
                 "project.data); train this config with train.py"
             )
-    for group in GUARDED:
-        for key in leaf_keys(cfg.get(group), f"{group}."):
+    for group in (g for g in GUARDED if cfg.get(g) is not None):
+        for key in leaf_keys(cfg[group], f"{group}."):
             if classify(key) is None:
                 value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
                 raise UserError(
