@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.engine.distributed.comm_hooks import BucketLayouts, CommHook, state_file
+from project.engine.checkpoints import comm_hook_files
+from project.engine.checkpoints.comm_hook_files import state_file, stored
+from project.engine.distributed.comm_hooks import CommHook
+from project.engine.distributed.comm_hooks.powersgd_layout import BucketLayouts
 from project.engine.distributed.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.errors import UserError
 from project.engine.launch.torchrun import TRAINERS
@@ -354,23 +357,21 @@ def test_a_changed_powersgd_setting_on_resume_is_refused_in_one_line(
     ckpt_path) starts PowerSGD afresh with one warning."""
     import torch.distributed as dist
 
-    from project.engine.distributed import comm_hooks
-
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     net, last = torch.nn.Sequential(torch.nn.Linear(8, 16)), tmp_path / "last.ckpt"
     old = powersgd_hook(net, **{key: saved})
     old.state.iter = 12
-    comm_hooks.save_state(old, last, 12)
-    comm_hooks.load_state(powersgd_hook(net, **{key: saved}), last, 12, "cpu")  # unchanged
+    comm_hook_files.save_state(old, last, 12)
+    comm_hook_files.load_state(powersgd_hook(net, **{key: saved}), last, 12, "cpu")  # unchanged
     changed = powersgd_hook(net, **{key: new})
     with pytest.raises(UserError) as refused:
-        comm_hooks.load_state(changed, last, 12, "cpu")
+        comm_hook_files.load_state(changed, last, 12, "cpu")
     line = str(refused.value)
     assert "\n" not in line and line.startswith(f"strategy.comm_hook.{key}={new!r} differs ")
     assert f"{saved!r} the PowerSGD state beside last.ckpt was saved with" in line
     assert f"resume with strategy.comm_hook.{key}={saved!r}, or start a new run" in line
-    comm_hooks.load_state(changed, last, 12, "cpu", required=False)
+    comm_hook_files.load_state(changed, last, 12, "cpu", required=False)
     assert changed.state.iter == 0 and changed.config()[key] == new  # afresh, as configured
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and warnings[0].endswith("was saved with: PowerSGD starts afresh")
@@ -386,25 +387,23 @@ def test_powersgd_state_of_another_world_size_starts_afresh(
     world size with this rank's file missing is still refused."""
     import torch.distributed as dist
 
-    from project.engine.distributed import comm_hooks
-
     last = tmp_path / "last.ckpt"
     for saved_rank in range(saved_world):
-        torch.save({"world_size": saved_world}, comm_hooks.state_file(last, 7, saved_rank))
+        torch.save({"world_size": saved_world}, state_file(last, 7, saved_rank))
     monkeypatch.setattr(dist, "get_rank", lambda: rank)
     monkeypatch.setattr(dist, "get_world_size", lambda: world)
     hook = CommHook("powersgd")
     hook.load_state_dict = lambda saved: pytest.fail("restored another world size's state")
-    comm_hooks.load_state(hook, last, 7, "cpu")
+    comm_hook_files.load_state(hook, last, 7, "cpu")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ([f"PowerSGD state of step 7 was written by {saved_world} processes, this "
                          f"run has {world}: PowerSGD starts afresh (its per-rank error feedback "
                          "cannot be redistributed)"] if rank == 0 else [])  # fmt: skip
     monkeypatch.setattr(dist, "get_world_size", lambda: saved_world)
-    comm_hooks.state_file(last, 7, 0).unlink()
+    state_file(last, 7, 0).unlink()
     with pytest.raises(UserError, match=r"last\.comm_hook\.step7\.rank0\.pt is missing"):
         monkeypatch.setattr(dist, "get_rank", lambda: 0)
-        comm_hooks.load_state(hook, last, 7, "cpu")
+        comm_hook_files.load_state(hook, last, 7, "cpu")
 
 
 @pytest.mark.quick
@@ -485,19 +484,21 @@ STATE_FILES = textwrap.dedent("""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
+    from project.engine.checkpoints import comm_hook_files
+    from project.engine.distributed.comm_hooks import CommHook
+    from project.engine.distributed.comm_hooks.powersgd_layout import BucketLayouts
     from project.engine.errors import UserError
-    from project.engine.distributed import comm_hooks
 
     dist.init_process_group("gloo")
-    hook = comm_hooks.CommHook("powersgd")
+    hook = CommHook("powersgd")
     hook.state = PowerSGDState(process_group=None)
-    hook.layouts = comm_hooks.BucketLayouts(hook.state, torch.nn.Linear(8, 16).named_parameters())
+    hook.layouts = BucketLayouts(hook.state, torch.nn.Linear(8, 16).named_parameters())
     last, code = Path(sys.argv[1]), 0
     try:
         if sys.argv[2] == "save":
-            comm_hooks.save_state(hook, last, 7)
+            comm_hook_files.save_state(hook, last, 7)
         else:
-            comm_hooks.load_state(hook, last, 7, "cpu")
+            comm_hook_files.load_state(hook, last, 7, "cpu")
     except UserError as err:
         print(f"error: {err}", flush=True)
         code = 2
@@ -516,7 +517,8 @@ def test_one_ranks_bad_state_file_stops_every_rank_with_the_same_line(tmp_path, 
         state_file(last, 7, 1).mkdir()
     else:
         net = torch.nn.Linear(8, 16)
-        torch.save({"world_size": 2, **powersgd_hook(net).state_dict()}, state_file(last, 7, 0))
+        torch.save({"world_size": 2, **stored(powersgd_hook(net).state_dict())},
+                   state_file(last, 7, 0))  # fmt: skip
         state_file(last, 7, 1).write_bytes(b"not a checkpoint")
     action, port = "save" if broken == "unwritable" else "load", str(free_port())
     rank_env = [{"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_PORT": port} for rank in range(2)]

@@ -58,3 +58,34 @@ def test_every_docs_page_is_in_the_readme_map() -> None:
     readme = (ROOT / "README.md").read_text()
     for page in (ROOT / "docs").glob("*.md"):
         assert f"(docs/{page.name})" in readme, f"docs/{page.name} is missing from the README"
+
+
+def test_the_hand_written_torchrun_of_the_elastic_page_is_the_launch_scripts() -> None:
+    """docs/elastic.md's own torchrun command passes what launch/multinode.sh passes (its dry
+    run with the page's example values: the rendezvous timings, the monitor interval) and the
+    variables launch/common.sh exports by default, so the two cannot drift apart."""
+    import os
+    import shlex
+    import subprocess
+
+    page = (ROOT / "docs" / "elastic.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
+    (block,) = [b for b in blocks if "torchrun --nnodes" in b and "--rdzv-conf" in b]
+    words = shlex.split(block.replace("\\\n", " "), comments=True)
+    at = words.index("torchrun")
+    env, doc = dict(w.split("=", 1) for w in words[:at]), words[at + 1 :]
+    flags = dict(w.removeprefix("--").split("=", 1) for w in doc if w.startswith("--"))
+    example = {"NNODES": flags["nnodes"], "NPROC_PER_NODE": flags["nproc-per-node"],
+               "MAX_RESTARTS": flags["max-restarts"], "RDZV_ENDPOINT": flags["rdzv-endpoint"],
+               "RDZV_ID": flags["rdzv-id"], "DRY_RUN": "1"}  # fmt: skip
+    script = ROOT / "launch" / "multinode.sh"
+    base = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
+    dry = subprocess.run([str(script), *doc[doc.index("-m") + 2 :]], env=base | example,
+                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    shown = shlex.split(next(ln[2:] for ln in dry.stdout.splitlines() if ln.startswith("+ ")))
+    ran = shown[shown.index("project.launcher") + 1 :]
+    assert sorted(doc) == sorted(ran), (doc, ran)
+    exported = re.findall(
+        r'export (\w+)="\$\{\1:-([^}]*)\}"', (script.parent / "common.sh").read_text()
+    )
+    assert exported and env == dict(exported)

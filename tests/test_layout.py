@@ -56,6 +56,38 @@ def test_no_import_loops() -> None:
         visit(module, [])
 
 
+# The engine's sub-packages from the bottom up: each imports those below it (or its own
+# layer), never one above, not even inside a function. checkpoints builds on distributed (the
+# comm hook's state files are checkpoints/comm_hook_files.py), not the other way round.
+LAYERS = (
+    ("errors", "private_api"),
+    ("launch",),
+    ("config",),
+    ("data", "shared"),
+    ("distributed",),
+    ("checkpoints",),
+    ("cluster",),
+    ("run",),
+    ("lightning", "raw"),
+)
+
+
+def test_the_engine_imports_downward_only() -> None:
+    """Lazy and type-checking imports count: an upward import inside a method is still a loop
+    between two packages (distributed/comm_hooks.py once imported checkpoints/state.py so)."""
+    level = {f"project.engine.{name}": i for i, names in enumerate(LAYERS) for name in names}
+
+    def layer(module: str) -> int | None:
+        return level.get(".".join(module.split(".")[:3]))
+
+    graph = project_imports(lazy=True)
+    engine = [m for m in graph if m.startswith("project.engine.")]
+    assert all(layer(m) is not None for m in engine), "place the new package in LAYERS"
+    upward = sorted(f"{m} -> {d}" for m in engine for d in graph[m]
+                    if layer(d) is not None and layer(d) > layer(m))  # fmt: skip
+    assert not upward, f"imports against the engine's layers: {upward}"
+
+
 def test_your_code_does_not_depend_on_the_machinery() -> None:
     """models/, data/, tasks/ are plain PyTorch: besides each other they may only use the
     one-line error type."""

@@ -9,14 +9,17 @@ from omegaconf import OmegaConf
 
 from project.compare import scaling, scaling_table, summarise, table, with_devices
 from project.engine.config.schema import check_schema
-from project.engine.raw.keys import classify
+from project.engine.errors import UserError
+from project.engine.raw.keys import check_config, classify
 from tests.helpers import (
     CHARLM,
     SHORT_STATS,
+    assert_one_line_error,
     assert_parity,
     assert_same_training,
     options,
     run_script,
+    run_trainer,
 )
 
 
@@ -64,6 +67,62 @@ def test_classification_catches_a_new_key() -> None:
     # ... but a new callback or logger only watches the run.
     assert classify("callbacks.my_callback.every_n") == "presentation"
     assert classify("logger.mlflow.tracking_uri") == "presentation"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "override, key",
+    [("+trainer.val_check_interval=0.5", "trainer.val_check_interval=0.5"),
+     ("+trainer.foo=1", "trainer.foo=1"), ("+model.label_smoothing=0.1", "model.label_smoothing"),
+     ("+callbacks.early_stopping.check_finite=false", "early_stopping.check_finite=False"),
+     ("callbacks.early_stopping.check_on_train_epoch_end=true", "check_on_train_epoch_end=True")],
+)  # fmt: skip
+def test_a_key_the_raw_trainer_does_not_implement_is_refused(compose_train, override, key) -> None:
+    """Set on the command line, a key Lightning would act on and the raw trainer would ignore
+    stops it (the test above only sees the shipped configs)."""
+    check_config(compose_train(["+trainer.max_steps=3", "callbacks.early_stopping=null"]))
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        check_config(compose_train([override]))
+
+
+def test_an_unknown_trainer_key_is_one_line_before_anything_starts(base_args, tmp_path) -> None:
+    proc = run_script("-m project.raw_train", [*base_args, "+trainer.foo=1",
+                                               f"hydra.run.dir={tmp_path}/run"])  # fmt: skip
+    assert_one_line_error(proc, "trainer.foo=1 is not implemented by the raw trainer", "train.py")
+    assert not (tmp_path / "run" / "config_tree.log").exists()  # before the run's set-up
+
+
+@pytest.mark.parametrize("max_steps", [3, 13])
+def test_max_steps_ends_both_trainers_after_the_same_optimizer_step(
+    base_args, tmp_path, max_steps: int
+) -> None:
+    """`+trainer.max_steps` counts optimizer steps (windows of 2 batches here, 10 an epoch).
+    3 ends the first epoch before any validation; 13 ends the second after 3 of its 10 steps:
+    that cut epoch is not validated and steps no epoch scheduler, as in Lightning. The same
+    losses, bitwise, and the same metrics in both trainers."""
+    args = [*base_args, "step_stats=true", f"+trainer.max_steps={max_steps}",
+            "trainer.accumulate_grad_batches=2", "model/scheduler=step",
+            "model.scheduler.step_size=1"]  # fmt: skip
+    runs = {"project.train": tmp_path / "lightning", "project.raw_train": tmp_path / "raw"}
+    losses = [run_trainer(module, args, run_dir)["losses"] for module, run_dir in runs.items()]
+    assert len(losses[0]) == 2 * max_steps and losses[0] == losses[1]
+    assert [trained(run) for run in runs.values()] == [(max_steps, max_steps // 10)] * 2
+    metrics = [json.loads((run / "metrics.json").read_text()) for run in runs.values()]
+    assert ("val/loss" in metrics[1]) == (max_steps > 10)
+    for key in metrics[1]:
+        assert metrics[0][key] == pytest.approx(metrics[1][key], abs=1e-6), key
+
+
+def trained(run_dir) -> tuple[int, int]:
+    """(optimizer steps, epoch scheduler steps) in a run's last checkpoint, either trainer."""
+    import torch
+
+    raw = run_dir / "checkpoints" / "last.pt"
+    if raw.is_file():
+        ckpt = torch.load(raw, weights_only=True)
+        return ckpt["global_step"], ckpt["scheduler"]["last_epoch"]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    return ckpt["global_step"], ckpt["lr_schedulers"][0]["last_epoch"]
 
 
 @pytest.mark.quick

@@ -108,6 +108,24 @@ def test_early_stopping_needs_min_delta_and_follows_mode() -> None:
     assert [rising.should_stop({"val/loss": v}) for v in (0.5, 0.6, 0.6)] == [False, False, True]
 
 
+@pytest.mark.parametrize(
+    "trainer, epochs, steps",
+    [({"max_epochs": 30}, 30, None), ({"max_epochs": 30, "max_steps": -1}, 30, None),
+     ({"max_epochs": 30, "max_steps": 3}, 30, 3), ({"max_epochs": -1, "max_steps": 3}, None, 3),
+     ({"max_epochs": None, "max_steps": 3}, None, 3), ({"max_epochs": None}, 1000, None),
+     ({"max_epochs": 30, "max_steps": 9, "fast_dev_run": True}, 1, 1),
+     ({"max_epochs": 30, "fast_dev_run": 4}, 1, 4)],
+)  # fmt: skip
+def test_the_raw_trainer_reads_the_loop_limits_as_lightning(trainer, epochs, steps) -> None:
+    """Lightning's `_parse_loop_limits` and fast_dev_run: -1 and an unset max_epochs beside
+    max_steps mean no epoch limit (None), an unset one alone 1000 epochs."""
+    from project.engine.raw import limits
+
+    cfg = OmegaConf.create(trainer)
+    assert (limits.max_epochs(cfg), limits.max_steps(cfg)) == (epochs, steps)
+    assert not limits.reached(None, 10**9) and limits.reached(3, 3) and not limits.reached(3, 2)
+
+
 # /feature:raw
 # --- what a checkpoint may be resumed by (project.engine.checkpoints.resume) ----------------
 CFG = {"seed": 42, "model": {"net": {"hidden": 64}, "compile": False},

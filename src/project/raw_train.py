@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from project.engine.checkpoints import LAST_PT
 from project.engine.config.compose import CONFIG_DIR
-from project.engine.raw.keys import ADAPTERS
+from project.engine.raw.keys import ADAPTERS, check_config
 from project.engine.run import cli, skeleton
 
 # Not the Lightning adapters' own targets: importing them imports Lightning, which this trainer
@@ -36,6 +36,7 @@ RAW = skeleton.EntryPoint(
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Fit, then test; returns the final metrics (rank 0 also writes metrics.json)."""
+    check_config(cfg)  # what it cannot run the same way: one line before anything starts
     return skeleton.run(cfg, RAW, fit_and_test)
 
 

@@ -2,12 +2,12 @@
 
     python -m project.bench.powersgd_copies [--repeats 5] [--steps 30] [--hidden 1024] [--layers 3]
 
-The template's PowerSGD hook (project.engine.distributed.comm_hooks.BucketLayouts) hands torch's
-powerSGD_hook a copy of each DDP bucket in a fixed layout and copies the result back, so a
-resumed run is bitwise the uninterrupted one. This times a small DDP job (an MLP with
-`--layers` hidden layers of `--hidden` units, 64 inputs, batch 64 per rank, SGD) for five
-variants, run one after the other in the same two processes, `--repeats` rounds (each
-starting with another variant):
+The template's PowerSGD hook (BucketLayouts in project.engine.distributed.comm_hooks.
+powersgd_layout) hands torch's powerSGD_hook a copy of each DDP bucket in a fixed layout and
+copies the result back, so a resumed run is bitwise the uninterrupted one. This times a small
+DDP job (an MLP with `--layers` hidden layers of `--hidden` units, 64 inputs, batch 64 per
+rank, SGD) for five variants, run one after the other in the same two processes, `--repeats`
+rounds (each starting with another variant):
 
     compressing, fixed layout      the template's hook while PowerSGD compresses
     compressing, DDP's own bucket  torch's hook on DDP's buffer as it is (no copies; the same
@@ -45,7 +45,7 @@ WARMUP = 5  # DDP's first step and its regrouping, PowerSGD's first compressed s
 
 def timed_copies(clock: list[float]) -> None:
     """Add the time FixedBucket spends copying (in and back) to clock[0]."""
-    from project.engine.distributed.comm_hooks import FixedBucket
+    from project.engine.distributed.comm_hooks.powersgd_layout import FixedBucket
 
     for name in ("__init__", "copy_back"):
         original = getattr(FixedBucket, name)
@@ -64,7 +64,8 @@ def register(model: Any, variant: str) -> None:
     """The variant's comm hook on a DDP model (PowerSGD of rank 1, from step 2 or never)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from project.engine.distributed.comm_hooks import BucketLayouts, CommHook, FixedBucket
+    from project.engine.distributed.comm_hooks import CommHook
+    from project.engine.distributed.comm_hooks.powersgd_layout import BucketLayouts, FixedBucket
 
     start = 2 if variant.startswith("compressing") else 10**9
     if variant in ("compressing, fixed layout", "plain, DDP's own bucket"):

@@ -78,7 +78,7 @@ USED = (
     ("lightning.pytorch.utilities.combined_loader", "CombinedLoader._mode"),
     ("lightning.pytorch.utilities.combined_loader", "CombinedLoader._iterator"),
     ("lightning.pytorch.utilities.combined_loader", "_ModeIterator.iterables"),
-    # PowerSGD as the template's comm hook drives it (engine/distributed/comm_hooks.py): which
+    # PowerSGD as the template's comm hook drives it (engine/distributed/comm_hooks/): which
     # tensors it compresses, and the state it keys by bucket, which the hook moves when DDP
     # regroups and saves per rank. How powerSGD_hook groups P and Q by shape has no name to
     # list: a test checks BucketLayouts.slices against a real call (tests/test_comm_hooks.py).

@@ -8,7 +8,7 @@ beside the trainer's own model, optimizer and scheduler state:
     project        what the run trains, whether it finished, its final metrics
     rng            the python, numpy and torch (CPU, CUDA) generators
     data_position  where the train loader's epoch stands, for any world size (engine.data.elastic)
-    comm hook      PowerSGD's per-rank state: one file per rank beside `last`
+    comm hook      PowerSGD's per-rank state: one file per rank beside `last` (comm_hook_files)
 
 When `last` is written: on a stop signal always (a stop's "run the same command again to
 resume" is then true with or without callbacks.fault_tolerance); with fault tolerance on also
@@ -27,11 +27,12 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from project.engine.checkpoints import comm_hook_files
 from project.engine.checkpoints.resume import checkpoint_dir
 from project.engine.checkpoints.state import project_state, rng_state, set_rng_state
 from project.engine.config.compose import CONFIG_DIR, to_plain
 from project.engine.data import elastic
-from project.engine.distributed import comm_hooks
+from project.engine.distributed.comm_hooks import CommHook
 from project.engine.distributed.signals import StopSignal
 from project.engine.errors import UserError
 
@@ -169,15 +170,13 @@ class RunCheckpoints:
             set_rng_state(rng)
 
     # --- the comm hook's per-rank files (every rank calls these at the same point) -------------
-    def save_hook(self, hook: comm_hooks.CommHook | None, step: int) -> None:
-        comm_hooks.save_state(hook, self.last, step)
+    def save_hook(self, hook: CommHook | None, step: int) -> None:
+        comm_hook_files.save_state(hook, self.last, step)
 
-    def prune_hook(self, hook: comm_hooks.CommHook | None, step: int) -> None:
-        comm_hooks.prune_state(hook, self.last, step)
+    def prune_hook(self, hook: CommHook | None, step: int) -> None:
+        comm_hook_files.prune_state(hook, self.last, step)
 
-    def load_hook(
-        self, hook: comm_hooks.CommHook | None, path: Path, step: int, device: torch.device
-    ) -> None:
+    def load_hook(self, hook: CommHook | None, path: Path, step: int, device: torch.device) -> None:
         """A resume from `last` needs the hook's files; from another checkpoint (ckpt_path)
         the hook may start afresh."""
-        comm_hooks.load_state(hook, Path(path), step, device, required=Path(path) == self.last)
+        comm_hook_files.load_state(hook, Path(path), step, device, required=Path(path) == self.last)

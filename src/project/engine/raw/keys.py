@@ -10,12 +10,16 @@ key that changes Lightning's training cannot be silently ignored by the raw trai
 - PRESENTATION: changes what is shown or named, not what is trained.
 - REFUSED: Lightning features the raw trainer does not have; a non-default value stops it.
 A new key (a Lightning option, an adapter argument, a callback setting) is unclassified until
-someone decides which it is, and implements it in the raw trainer if it is CONSUMED.
+someone decides which it is, and implements it in the raw trainer if it is CONSUMED. Where a
+run sets one anyway (`+trainer.val_check_interval=100`), under a group Lightning hands to its
+objects (GUARDED), the raw trainer stops with one line naming it (check_config).
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from project.engine.errors import UserError
 
@@ -31,7 +35,7 @@ CONSUMED = {
     # strategy: DistributedDataParallel / process-group options (checked by ddp.check_options)
     "strategy.*",
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.sync_batchnorm",
-    "trainer.min_epochs", "trainer.max_epochs", "trainer.precision",
+    "trainer.min_epochs", "trainer.max_epochs", "trainer.max_steps", "trainer.precision",
     "trainer.accumulate_grad_batches", "trainer.gradient_clip_val",
     "trainer.gradient_clip_algorithm", "trainer.check_val_every_n_epoch",
     "trainer.log_every_n_steps", "trainer.deterministic", "trainer.benchmark",
@@ -52,7 +56,7 @@ CONSUMED = {
 PRESENTATION = {
     "task_name", "tags", "paths.*", "trainer._target_",
     "trainer.default_root_dir", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-    "trainer.profiler", "callbacks.early_stopping._target_",
+    "trainer.profiler.*", "callbacks.early_stopping._target_",
     "callbacks.fault_tolerance._target_",
     "callbacks.fault_tolerance.filename",  # the raw trainer's own format is always last.pt
     "callbacks.model_checkpoint._target_",
@@ -66,8 +70,16 @@ PRESENTATION = {
 # early stopping, fault tolerance), key by key above; a callback added by a user that changes
 # training (e.g. weight averaging) has no raw counterpart, and the parity test shows it.
 IMPLEMENTED_CALLBACKS = ("model_checkpoint", "early_stopping", "fault_tolerance")
-# Lightning features this trainer does not implement: refused when set (see check_config).
-REFUSED = {"trainer.overfit_batches": 0.0, "trainer.detect_anomaly": False}
+# Lightning features this trainer does not implement: refused when set to anything but this
+# value or null (see check_config). The raw trainer checks early stopping after each
+# validation: Lightning's rule with check_on_train_epoch_end=false. With true Lightning also
+# checks at epoch ends without a validation (null: the same in the usual set-up, where only an
+# epoch that max_steps cuts short has none, and Lightning then fails on the missing metric).
+REFUSED = {"trainer.overfit_batches": 0.0, "trainer.detect_anomaly": False,
+           "callbacks.early_stopping.check_on_train_epoch_end": False}  # fmt: skip
+# The groups whose keys Lightning hands to its objects (Trainer, the adapters, the callbacks):
+# an unclassified key there would change Lightning's run and not the raw trainer's.
+GUARDED = ("trainer", "model", "data", "callbacks")
 # What the raw trainer builds in place of the Lightning adapters; another _target_ there is
 # code it cannot run (a user's own LightningModule/DataModule).
 ADAPTERS = {
@@ -94,6 +106,16 @@ def classify(key: str) -> str | None:
     return None
 
 
+def leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a config's leaves (a list is one leaf; interpolations unresolved)."""
+    if not OmegaConf.is_dict(node) or node._is_none():
+        return [prefix[:-1]]
+    keys = []
+    for key in node:
+        keys += leaf_keys(node._get_node(key), f"{prefix}{key}.")
+    return keys  # an empty group (callbacks=none) configures nothing
+
+
 def check_config(cfg: DictConfig) -> None:
     """Stop with one line on what the raw trainer cannot do the same way."""
     for group, target in ADAPTERS.items():
@@ -103,11 +125,21 @@ def check_config(cfg: DictConfig) -> None:
                 f"trainer cannot run: it runs {target}'s plain-PyTorch parts (project.tasks, "
                 "project.data); train this config with train.py"
             )
+    for group in (g for g in GUARDED if cfg.get(g) is not None):
+        for key in leaf_keys(cfg[group], f"{group}."):
+            if classify(key) is None:
+                value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+                raise UserError(
+                    f"{key}={value} is not implemented by the raw trainer: remove it, or train "
+                    "with train.py (project/engine/raw/keys.py lists the keys it reads)"
+                )
     for key, default in REFUSED.items():
-        group, name = key.split(".")
-        value = cfg[group].get(name, default)
+        value = OmegaConf.select(cfg, key, default=default)
         if value not in (default, None, 0, False):
-            raise UserError(f"{key}={value} is a Lightning feature the raw trainer does not have")
+            raise UserError(
+                f"{key}={value} is a Lightning feature the raw trainer does not have: leave it "
+                f"at {default}, or train with train.py"
+            )
     if cfg.trainer.precision not in SUPPORTED_PRECISION:
         raise UserError(
             f"trainer.precision={cfg.trainer.precision} is not supported by the raw trainer: "

@@ -18,6 +18,7 @@ Lightning's. What had to match for that is marked "parity:".
 | num_sanity_val_steps, validation, test loops       | `sanity_check`, `evaluate`            |
 | self.log of torchmetrics (synced at epoch end)     | `compute`, `log_scalar`               |
 | limit_*_batches, fast_dev_run                      | `n_batches`                           |
+| max_epochs, max_steps (mid-epoch too)              | `fit`, `train_epoch` (raw/limits.py)  |
 | ModelCheckpoint (best), EarlyStopping              | `save_best`, raw/early_stopping.py    |
 | RunState: last checkpoint, stop on a signal        | `save_last`, `check_stop`, `load`     |
 | RunState: ledger, hang watchdog, stragglers        | `fit`, `check_stop`, `outside_steps`  |
@@ -53,6 +54,7 @@ from project.engine.distributed.ddp import CollectiveTimeout, Topology
 from project.engine.distributed.exits import Preempted, close_process_group
 from project.engine.errors import UserError
 from project.engine.launch import env
+from project.engine.raw import limits
 from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
 from project.engine.raw.rng import isolated_rng, seed_everything
@@ -125,6 +127,7 @@ class RawTrainer:
         self.clip_val = t.get("gradient_clip_val")
         self.clip_by_value = t.get("gradient_clip_algorithm", "norm") == "value"
         self.log_every = int(t.log_every_n_steps)
+        self.max_steps = limits.max_steps(t)  # optimizer steps (None: no limit)
         self.fault_injection = to_plain(cfg.get("fault_injection"))
         self.stop = self.checkpoints.stop_signal()
         self.stats = StepStats() if cfg.get("step_stats") else None
@@ -337,8 +340,9 @@ class RawTrainer:
         if stragglers is not None:
             stragglers.window_start()
 
-    def train_epoch(self, epoch: int) -> None:
-        """One epoch of optimizer steps; resumes after the batches a checkpoint had done."""
+    def train_epoch(self, epoch: int) -> bool:
+        """One epoch of optimizer steps; resumes after the batches a checkpoint had done.
+        Returns whether it ran to its last batch (not when max_steps ended it before)."""
         t, loader = self.cfg.trainer, self.loaders["train"]
         accumulate = int(t.get("accumulate_grad_batches") or 1)
         n_train = self.n_batches("train")
@@ -356,6 +360,7 @@ class RawTrainer:
             n_train = min(n_train, first + left)
         lr_name = f"lr-{type(self.optimizer).__name__}"  # LearningRateMonitor's name
         self.log_scalar(lr_name, self.optimizer.param_groups[0]["lr"], self.global_step)
+        cut = False  # max_steps ended the epoch before its last batch
         for i, batch in self.batches("train", n_train, first):
             if self.stats:
                 if not self.stats.units_per_step:
@@ -376,19 +381,24 @@ class RawTrainer:
                 rate = self.throughput.rate()
                 self.log_scalar(f"train/{self.task.unit}_per_s", rate, self.global_step)
             faults.maybe_fail(self.global_step, self.rank, self.fault_injection, self.ledger)
+            if sync and limits.reached(self.max_steps, self.global_step):
+                cut = i + 1 < n_train
+                break
         self.batch_in_epoch = 0
+        return not cut
 
-    def end_epoch(self, epoch: int) -> tuple[dict[str, float], bool]:
+    def end_epoch(self, epoch: int, whole: bool = True) -> tuple[dict[str, float], bool]:
         """Train metrics, epoch scheduler step, validation, logging, best checkpoint.
-        Returns the epoch's metrics and whether validation ran."""
+        Returns the epoch's metrics and whether validation ran. parity: an epoch max_steps cut
+        short (`whole` false) steps no epoch scheduler and is not validated, as Lightning's."""
         self.outside_steps(ledgers.EPOCH_END)
         t = self.cfg.trainer
         metrics = self.compute("train")
         epoch_due = (epoch + 1) % self.sched_every == 0
-        if self.scheduler and self.sched_interval == "epoch" and epoch_due:
+        if self.scheduler and self.sched_interval == "epoch" and epoch_due and whole:
             self.scheduler.step()
         n_val = self.n_batches("val")
-        validate = n_val > 0 and (epoch + 1) % int(t.check_val_every_n_epoch) == 0
+        validate = whole and n_val > 0 and (epoch + 1) % int(t.check_val_every_n_epoch) == 0
         if validate:
             self.ledger.mark(ledgers.VALIDATION, self.global_step)
             metrics.update(self.evaluate("val", n_val))
@@ -402,7 +412,7 @@ class RawTrainer:
     def fit(self) -> dict[str, float]:
         """The loop Lightning's fit runs: sanity check, then epochs of train + validation."""
         t = self.cfg.trainer
-        max_epochs = 1 if t.get("fast_dev_run") else int(t.max_epochs)
+        max_epochs = limits.max_epochs(t)
         metrics: dict[str, float] = {}
         self.stop.install()
         self.stop.mark_saved(self.global_step)  # a resumed run starts from a checkpoint
@@ -413,15 +423,20 @@ class RawTrainer:
         try:
             self.sanity_check()
             self.task.train()
-            for epoch in range(self.epoch, max_epochs):
-                self.train_epoch(epoch)
-                epoch_metrics, validated = self.end_epoch(epoch)
+            for epoch in itertools.count(self.epoch):
+                # A resumed run may have reached either limit already: then nothing to train.
+                if limits.reached(max_epochs, epoch) or self.steps_done():
+                    break
+                whole = self.train_epoch(epoch)
+                epoch_metrics, validated = self.end_epoch(epoch, whole)
                 metrics.update(epoch_metrics)
                 stop = validated and self.early.should_stop(metrics)
+                if self.steps_done():  # before an epoch-end save: the finished one follows
+                    break
                 if stop and epoch + 1 >= int(t.min_epochs or 0):
                     log.info(f"Early stopping after epoch {epoch}")
                     break
-                if self.checkpoints.periodic and epoch + 1 < max_epochs:
+                if self.checkpoints.periodic and not limits.reached(max_epochs, epoch + 1):
                     self.save_last()  # every epoch end (the last one is saved as finished)
         except RuntimeError as err:
             hangs.report_peer_failure(err)  # a dead peer: the report (it never returns)
@@ -435,6 +450,13 @@ class RawTrainer:
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)
         return metrics
+
+    def steps_done(self) -> bool:
+        """Whether fit reached trainer.max_steps (rank 0 says so, as Lightning does)."""
+        done = limits.reached(self.max_steps, self.global_step)
+        if done and self.is_zero:
+            log.info(f"fit stopped: max_steps={self.max_steps} reached")
+        return done
 
     # --- checkpoints (paths and the template's entries: project.engine.checkpoints.run) -----
     def save_last(self) -> None:
