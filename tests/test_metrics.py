@@ -44,7 +44,7 @@ LM = {
 }  # fmt: skip
 
 
-def tested(module: TaskModule, batches: list[tuple[torch.Tensor, ...]]) -> dict[str, float]:
+def evaluated(module: TaskModule, batches: list[tuple[torch.Tensor, ...]]) -> dict[str, float]:
     """The module's test metrics over `batches` (its test_step, as Lightning calls it)."""
     module.eval()
     with torch.no_grad():
@@ -75,7 +75,7 @@ def two_ranks(module: TaskModule, data: tuple[torch.Tensor, ...], size: int) -> 
                 m.test_step(batch, i)
     for name, metric in module.test_metrics.items():
         metric.merge_state(twin.test_metrics[name])
-    return tested(module, [])
+    return evaluated(module, [])
 
 
 @pytest.mark.quick
@@ -89,7 +89,7 @@ def test_classifier_loss_and_accuracy_do_not_depend_on_batching() -> None:
         logits = module.task(x)
     whole = {"loss": F.cross_entropy(logits, y).item(),
              "acc": (logits.argmax(1) == y).float().mean().item()}  # fmt: skip
-    for values in (tested(module, batched((x, y), 270)), tested(module, batched((x, y), 64)),
+    for values in (evaluated(module, batched((x, y), 270)), evaluated(module, batched((x, y), 64)),
                    two_ranks(module, (x, y), 64)):  # fmt: skip
         assert values == pytest.approx(whole, rel=REL)
 
@@ -104,7 +104,7 @@ def test_language_model_loss_is_over_scored_tokens_and_ppl_its_exp() -> None:
     y[::3, 5:] = IGNORE  # a third of the windows score 5 positions, the others 16
     with torch.no_grad():
         whole = F.cross_entropy(module.task(x).flatten(0, 1), y.flatten()).item()
-    for values in (tested(module, batched((x, y), 45)), tested(module, batched((x, y), 4)),
+    for values in (evaluated(module, batched((x, y), 45)), evaluated(module, batched((x, y), 4)),
                    two_ranks(module, (x, y), 4)):  # fmt: skip
         assert values["loss"] == pytest.approx(whole, rel=REL)
         assert values["ppl"] == pytest.approx(math.exp(whole), rel=REL)
