@@ -27,6 +27,8 @@ import fsspec
 import numpy as np
 
 from project.data.source import save_array
+from project.engine.distributed import long_work
+from project.engine.distributed.ledger import DOWNLOAD
 from project.engine.errors import UserError
 
 INDEX = "index.json"
@@ -115,7 +117,8 @@ class ShardCache:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            self.fetch(url, tmp)
+            with long_work.during(DOWNLOAD):  # in the rank: outside the step deadline
+                self.fetch(url, tmp)
             if os.path.getsize(tmp) != size:
                 raise UserError(
                     f"shard {url} arrived with {os.path.getsize(tmp)} bytes, the index says "

@@ -1,4 +1,5 @@
 """The distributed runtime inside a rank, for both trainers: topology, DDP and collective
 timeouts (ddp.py), gradient-communication hooks (comm_hooks.py), the coordinated stop
-(signals.py), how a run ends (exits.py), fault injection for drills (faults.py). How the
-processes are started is engine/launch."""
+(signals.py), how a run ends (exits.py), fault injection for drills (faults.py), the ledger
+and the hang report (ledger.py, hangs.py, worker_stacks.py, long_work.py: work booked outside
+the step deadline). How the processes are started is engine/launch."""

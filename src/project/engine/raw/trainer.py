@@ -229,7 +229,8 @@ class RawTrainer:
     def batches(self, stage: str, n: int, first: int = 0) -> Iterator[tuple[int, Any]]:
         """(index, batch on the device) for batches first..n-1 of `stage` (the loader already
         skips the first `first` when resuming mid-epoch)."""
-        for i, batch in enumerate(self.loaders[stage], start=first):
+        fetch = self.ledger.fetching if stage == "train" else iter  # "waiting for data"
+        for i, batch in enumerate(fetch(self.loaders[stage]), start=first):
             if i >= n:
                 break
             yield i, to_device(batch, self.device)
@@ -327,6 +328,7 @@ class RawTrainer:
         stragglers = self.stop.stragglers
         if stragglers is not None:
             stragglers.window_end()
+        self.ledger.window_start()  # the window just ended counts for the deadline set now
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
