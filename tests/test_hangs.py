@@ -425,11 +425,11 @@ def test_a_workers_stack_is_read_from_outside(tmp_path) -> None:
     worker of the template is) dumps its stacks on request: the innermost user frame."""
     import multiprocessing
 
-    from project.engine.distributed import worker_stacks
+    from project.engine.data import worker_stacks
     from tests.helpers import block_forever
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["project.engine.distributed.worker_stacks", "tests.helpers"])
+    context.set_forkserver_preload(["project.engine.data.worker_stacks", "tests.helpers"])
     worker = context.Process(target=block_forever)
     worker.start()
     try:
@@ -451,7 +451,8 @@ def watched(monkeypatch) -> tuple[ledgers.Ledger, object]:
     watched by long_work as a trainer's would be."""
     import types
 
-    from project.engine.distributed import ddp, long_work
+    from project.engine.distributed import ddp
+    from project.engine.run import long_work
 
     monkeypatch.setattr(ddp, "set_collective_timeout", lambda timeout: None)
     monkeypatch.setattr(long_work, "_watched", None)  # unwatched again after the test
@@ -470,7 +471,7 @@ def test_a_recompile_inside_the_steps_is_outside_the_step_deadline(monkeypatch) 
     import torch._dynamo
 
     ledger, timeouts = watched(monkeypatch)
-    from project.engine.distributed import long_work
+    from project.engine.run import long_work
 
     long_work.follow_compiles()
     seen = []
@@ -496,7 +497,7 @@ class Downloading:
         return 2
 
     def __getitem__(self, i: int) -> int:
-        from project.engine.distributed import long_work
+        from project.engine.run import long_work
 
         with long_work.during(ledgers.DOWNLOAD):
             time.sleep(3)
@@ -509,7 +510,7 @@ def test_a_download_in_a_worker_puts_its_rank_on_the_long_deadline(monkeypatch) 
     deadline, booked as downloading; the note is gone once the download ended."""
     from torch.utils.data import DataLoader
 
-    from project.engine.distributed import long_work
+    from project.engine.run import long_work
 
     ledger, timeouts = watched(monkeypatch)
     loader = DataLoader(Downloading(), batch_size=None, num_workers=1,
@@ -532,6 +533,7 @@ def test_a_lazy_shard_download_is_outside_the_step_deadline(tmp_path, monkeypatc
     booked as downloading; then back in the step it was in."""
     import numpy as np
 
+    import project.engine.data.loaders  # noqa: F401  (what every rank imports: it books downloads)
     from project.data.shards import ShardCache, load_shard, read_index, write_shards
 
     ledger, timeouts = watched(monkeypatch)

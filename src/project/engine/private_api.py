@@ -81,11 +81,11 @@ USED = (
     (POWERSGD, "PowerSGDState.__slots__"),
     *((POWERSGD, f"PowerSGDState.__slots__.{slot}") for slot in POWERSGD_SLOTS),
     # torch.compile's compilations, booked outside the step deadline
-    # (engine/distributed/long_work.py).
-    ("torch._dynamo", "callback_handler"),
-    ("torch._dynamo.callback", "CompilationCallbackHandler.start_callbacks"),
-    ("torch._dynamo.callback", "CompilationCallbackHandler.register_start_callback"),
-    ("torch._dynamo.callback", "CompilationCallbackHandler.register_end_callback"),
+    # (engine/run/long_work.py).
+    ("torch", "_dynamo.callback_handler"),
+    ("torch", "_dynamo.callback.CompilationCallbackHandler.start_callbacks"),
+    ("torch", "_dynamo.callback.CompilationCallbackHandler.register_start_callback"),
+    ("torch", "_dynamo.callback.CompilationCallbackHandler.register_end_callback"),
 )
 
 

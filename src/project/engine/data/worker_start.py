@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 # every worker of the template's loaders; worker_stacks: a hang report can read any worker's
-ENGINE = ("torch", "project.engine.data.loaders", "project.engine.distributed.worker_stacks")
+ENGINE = ("torch", "project.engine.data.loaders", "project.engine.data.worker_stacks")
 
 
 def configure_worker_start(

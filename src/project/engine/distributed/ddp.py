@@ -255,7 +255,7 @@ class CollectiveTimeout:
     its connections close). The timeout is per rank and the waiting rank's counts, so the
     short one starts only at the second window after anything that can keep one rank long
     (the attempt's start, an epoch start with its workers, validation, a checkpoint save, a
-    recompile or a shard download: project.engine.distributed.long_work): by then every rank
+    recompile or a shard download: project.engine.run.long_work): by then every rank
     has passed a collective since. Inside the steps the deadline grows to three of the
     slowest recent steps when they are that slow (the trainers measure the window that just
     ended before they call `in_steps`, so the first short deadline already counts it). The

@@ -6,7 +6,7 @@
   (project.engine.distributed.ddp.CollectiveTimeout; `timeout` stays the one before and outside
   them).
 - Every checkpoint save is booked outside the step deadline (weights-only ones too, which
-  Lightning hides from the callbacks): project.engine.distributed.long_work.
+  Lightning hides from the callbacks): project.engine.run.long_work.
 - DDP errors about parameters that got no gradient keep torch's parameter indices (Lightning
   replaces the whole message), so the run skeleton can name the parameters
   (project.engine.distributed.ddp.unused_parameters_reported).
@@ -18,9 +18,10 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
-from project.engine.distributed import ddp, long_work
+from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.comm_hooks import CommHook
+from project.engine.run import long_work
 
 
 class DDPStrategy(LightningDDPStrategy):

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from project.engine.distributed import hangs, long_work
+from project.engine.distributed import hangs
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.exits import EXIT_HUNG
 from project.engine.distributed.hangs import Watchdog
 from project.engine.distributed.stragglers import Stragglers
-from project.engine.run import goodput
+from project.engine.run import goodput, long_work
 
 if TYPE_CHECKING:
     from project.engine.distributed.ddp import CollectiveTimeout

@@ -8,8 +8,9 @@ longer, and no trainer hook announces it:
   it skips their `on_save_checkpoint`); the strategy announces every save
   (project.engine.lightning.strategy);
 - a torch.compile (re)compilation inside a step (a new shape, a guard that failed):
-  torch._dynamo's compile callbacks announce it (`follow_compiles`);
-- a lazy download of a remote shard (project.data.shards).
+  torch.compile's compile callbacks announce it (`follow_compiles`);
+- a lazy download of a remote shard (project.data.shards: project.engine.data.loaders
+  points its `ShardCache.downloading` here).
 
 Each calls `during(phase)`: the rank switches to the long deadline (`strategy.timeout`, the
 collectives too) and the ledger says what it does; afterwards it is back in the phase it
@@ -29,8 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from project.engine.distributed import worker_stacks
-from project.engine.distributed.ledger import COMPILE, DATA
+from project.engine.data import worker_stacks
+from project.engine.distributed.ledger import COMPILE, DATA, DOWNLOAD
 from project.engine.private_api import on_compile
 
 if TYPE_CHECKING:
@@ -79,6 +80,11 @@ def outside_steps(phase: int) -> None:
     ledger.mark(phase, ledger.step)
     if stop.stragglers is not None:
         stop.stragglers.pause()
+
+
+def downloading(url: str) -> contextlib.AbstractContextManager[None]:
+    """Around a remote shard's download (project.data.shards.ShardCache)."""
+    return during(DOWNLOAD)
 
 
 NOTE = "project-long-work"
@@ -149,7 +155,7 @@ def _compile_end(args: Any = None) -> None:
 
 
 def follow_compiles() -> None:
-    """Book torch.compile's compilations (once torch._dynamo is loaded: Lightning loads it,
+    """Book torch.compile's compilations (once its compiler is loaded: Lightning loads it,
     the raw trainer when `model.compile` is set); at every training start, as
-    `torch._dynamo.reset()` drops the callbacks."""
+    `torch.compiler.reset()` drops the callbacks."""
     on_compile(_compile_start, _compile_end)
