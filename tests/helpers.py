@@ -261,16 +261,20 @@ def user_data(tmp_path: Path, target: str, **params: object) -> list[str]:
     return ["data=user", f"hydra.searchpath=[file://{tmp_path}/configs]", *QUIET]
 
 
-def recorded_data(tmp_path: Path, rows: int) -> list[str]:
+def recorded_data(
+    tmp_path: Path, rows: int, source: str = "RecordedSource", **params: object
+) -> list[str]:
     """Overrides that train on `rows` rows of tests.user_data.RecordedSource (a DataSource, so
     both trainers read it; every read recorded in `tmp_path`), through a data config written
-    there: the template's datamodule settings, another dataset."""
+    there: the template's datamodule settings, another dataset. `source`, `params`: another
+    source of tests.user_data and its arguments."""
     configs = tmp_path / "configs" / "data"
     configs.mkdir(parents=True, exist_ok=True)
     digits = (CONFIG_DIR / "data" / "digits.yaml").read_text().split("dataset:")[0]
     (configs / "recorded.yaml").write_text(
-        f"{digits}dataset:\n  _target_: tests.user_data.RecordedSource\n"
+        f"{digits}dataset:\n  _target_: tests.user_data.{source}\n"
         f"  record_dir: {tmp_path}\n  n_train: {rows}\n"
+        + "".join(f"  {key}: {value}\n" for key, value in params.items())
     )
     return [f"hydra.searchpath=[file://{tmp_path}/configs]", "data=recorded"]
 
@@ -376,3 +380,11 @@ def assert_parity(tmp: Path, args: list[str], nproc: int = 1) -> None:
     for module, trainer in (("project.train", "lightning"), ("project.raw_train", "raw")):
         run_trainer(module, args, tmp / trainer, nproc)
     assert_same_training(tmp / "lightning", tmp / "raw")
+
+
+def block_forever() -> None:
+    """A process stuck in user code (what a hang report must find in a DataLoader worker)."""
+    import time
+
+    while True:
+        time.sleep(3600)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG
 from project.engine.distributed.stragglers import Stragglers
 from project.engine.launch.torchrun import TRAINERS
 from project.engine.run import goodput
-from tests.helpers import ROOT, finish, launcher, read_scalars, start
+from tests.helpers import ROOT, finish, kill_job, launcher, read_scalars, recorded_data, start
 
 ARGS = ["trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null",
         "trainer.accelerator=cpu"]  # fmt: skip
@@ -36,6 +37,19 @@ def run_job(job: str, args: list[str], run_id: str, timeout: float = 240) -> tup
     began = time.monotonic()
     code, out = finish(start(JOBS[job](args), RUN_ID=run_id), timeout)
     return code, out, time.monotonic() - began
+
+
+def ended(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    """(exit code, output) of a job once its launcher exits; the processes it leaves are
+    killed, not counted (DataLoader workers: what a report leaves is another test's)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            out, _ = proc.communicate(timeout=1)
+            return proc.returncode, out
+        except subprocess.TimeoutExpired:  # leftover workers keep the output pipe open
+            if proc.poll() is not None or time.monotonic() > end:
+                kill_job(proc)
 
 
 def screen(out: str) -> str:
@@ -135,6 +149,72 @@ def test_goodput_after_a_sigkill_and_one_torchrun_restart(base_args, log_dir, tr
     assert logged["goodput/recomputed_steps"][-1][1] == 5
 
 
+SHORT = ["trainer.max_epochs=1", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
+         "test=false", "callbacks.early_stopping=null", "trainer.accelerator=cpu",
+         "strategy.step_timeout_s=3"]  # fmt: skip
+SLOW_STEPS = {  # every rank's optimizer step takes ~5 s, 3 steps; the step deadline is 3 s
+    "lightning-5s-step": ("lightning", ["+callbacks.sleepy._target_=tests.user_model.Sleepy",
+                                        "+callbacks.sleepy.seconds=5",
+                                        "trainer.limit_train_batches=3"]),
+    "lightning-10x0.5s-accumulated": ("lightning", [
+        "+callbacks.sleepy._target_=tests.user_model.Sleepy", "+callbacks.sleepy.seconds=0.5",
+        "trainer.accumulate_grad_batches=10", "trainer.limit_train_batches=30",
+        "data.batch_size=8"]),
+    "raw-5s-getitem": ("raw", ["data.batch_size=10", "trainer.limit_train_batches=3"]),
+}  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(SLOW_STEPS))
+def test_healthy_slow_steps_are_not_reported_as_a_hang(base_args, tmp_path, case) -> None:
+    """Steps slower than strategy.step_timeout_s from the first one on: the deadline of the
+    second window is already three of the first's (it was the bare 3 s, and every attempt
+    died at step 1 with exit 124)."""
+    trainer, slow = SLOW_STEPS[case]
+    data = recorded_data(tmp_path, 400, "SlowSource", read_s=0.5) if trainer == "raw" else []
+    code, out, _ = run_job(f"torchrun-{trainer}", [*base_args, *SHORT, *data, *slow], case)
+    assert code == 0, out[-3000:]
+    assert "hang report" not in out and "at step 3" in out  # its 3 steps trained
+
+
+STALL = ["fault_injection.at_step=null", "data.batch_size=10", "trainer.limit_train_batches=30"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("job", "workers"), [("torchrun-raw", 0), ("torchrun-lightning", 1)])
+def test_a_stuck_loader_is_named_with_the_datasets_frame(base_args, tmp_path, job, workers):
+    """Rank 1's dataset never returns its 81st read (step 8): the screen says rank 1 waits
+    for data, at the dataset's own frame (in its worker process when it has one), and that
+    the others wait for rank 1."""
+    data = recorded_data(tmp_path, 400, "SlowSource", stall_at=81, stall_rank=1)
+    args = [*base_args, *SHORT, *data, *STALL, f"data.num_workers={workers}"]
+    code, out = ended(start(JOBS[job](args), RUN_ID="stuck-loader"), 240)
+    assert code == EXIT_HUNG, out[-3000:]
+    report = screen(out)
+    rank1 = next(line for line in report.splitlines() if line.strip().startswith("rank 1 "))
+    assert "waiting for data" in rank1 and "user_data.py" in rank1, report
+    assert "__getitem__" in rank1 and ("(worker pid" in rank1) == (workers > 0), report
+    assert re.search(r"rank 1 never issued collective #\d+", report), report
+
+
+@pytest.mark.distributed
+def test_a_weights_only_save_is_outside_the_step_deadline(base_args, tmp_path) -> None:
+    """ModelCheckpoint(save_weights_only=True) every 4 steps, each save taking rank 0 5 s
+    while rank 1 waits in its barrier, step deadline 3 s: Lightning does not tell callbacks
+    about such saves, the strategy books them; the run finishes."""
+    args = [*base_args, *SHORT, "trainer.limit_train_batches=10",
+            "model.net._target_=tests.user_model.SlowToSave", "+model.net.save_s=5",
+            "+callbacks.model_checkpoint.save_weights_only=true",
+            "+callbacks.model_checkpoint.every_n_train_steps=4",
+            "callbacks.model_checkpoint.every_n_epochs=null",
+            "callbacks.model_checkpoint.monitor=null"]  # fmt: skip
+    code, out, _ = run_job("torchrun-lightning", args, "weights-only")
+    assert code == 0, out[-3000:]
+    assert "hang report" not in out
+    saved = list((tmp_path / "logs/train/runs/weights-only/checkpoints").glob("*.ckpt"))
+    assert saved, out[-3000:]
+
+
 # --- the screen's logic and the ledger, without processes ---------------------------------
 def row(rank: int, seq: int, phase: int, step: int, pending: tuple | None, where: str) -> dict:
     collectives = [{"seq": seq - 1, "op": "all_reduce", "sizes": [[8]], "done": True}]
@@ -230,13 +310,15 @@ def test_the_step_deadline_waits_for_three_of_the_slowest_recent_steps(monkeypat
 
     ledger = ledgers.Ledger(None, 2)
     for step in range(3):
+        ledger.window_start()
         ledger.mark(ledgers.STEP, step)
         time.sleep(0.04)
         ledger.mark(ledgers.OPTIMIZER, step)
+    ledger.window_start()
     assert 0.04 <= ledger.window_s < 0.2
     ledger.mark(ledgers.VALIDATION, 3)
     time.sleep(0.3)
-    ledger.mark(ledgers.STEP, 3)
+    ledger.window_start()
     assert ledger.window_s < 0.2  # the validation was not counted as a step
     set_to: list[float] = []
     monkeypatch.setattr(ddp, "set_collective_timeout", lambda t: set_to.append(t.seconds))
@@ -319,3 +401,151 @@ def test_flight_recorder_is_on_unless_the_user_set_it() -> None:
         env = dict(own)
         ledgers.flight_recorder_env(env)
         assert env == {**own, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # theirs, under either name
+
+
+@pytest.mark.quick
+def test_ranks_in_no_collective_are_busy_in_their_code_not_a_stalled_transport(tmp_path) -> None:
+    """Every rank passed the same collectives and waits in none (slow steps, a stuck loader on
+    every rank): the screen says so and points at their frames, not at the network."""
+    folder = tmp_path / "hang"
+    folder.mkdir()
+    reports = {0: row(0, 30, ledgers.STEP, 4, None, "model.py:12 forward"),
+               1: row(1, 30, ledgers.DATA, 4, None, "data.py:40 __getitem__")}  # fmt: skip
+    for r, report in reports.items():
+        (folder / f"rank-{r}.json").write_text(json.dumps(report))
+    text = "\n".join(hangs.screen(folder, 2, "no progress", EXIT_HUNG))
+    assert "no rank is in a collective: the ranks are busy in their own code" in text, text
+    assert "rank 1 waits for its data loader" in text and "waiting for data" in text
+    assert "the transport stalled" not in text and "does not match" not in text
+
+
+@pytest.mark.quick
+def test_a_workers_stack_is_read_from_outside(tmp_path) -> None:
+    """A process forked from a fork server that loaded worker_stacks (as every DataLoader
+    worker of the template is) dumps its stacks on request: the innermost user frame."""
+    import multiprocessing
+
+    from project.engine.data import worker_stacks
+    from tests.helpers import block_forever
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["project.engine.data.worker_stacks", "tests.helpers"])
+    worker = context.Process(target=block_forever)
+    worker.start()
+    try:
+        dumps: dict[int, str] = {}
+        for _ in range(100):  # until it runs the target (it imports first)
+            dumps = worker_stacks.collect(seconds=0.5)
+            if any("block_forever" in text for text in dumps.values()):
+                break
+        assert worker.pid in dumps, dumps
+        assert worker_stacks.innermost(dumps[worker.pid]).startswith("tests/helpers.py:")
+        assert worker_stacks.innermost(dumps[worker.pid]).endswith(" block_forever")
+    finally:
+        worker.kill()
+        worker.join()
+
+
+def watched(monkeypatch) -> tuple[ledgers.Ledger, object]:
+    """A ledger and timeouts of 2 ranks inside the training steps (the short 3 s deadline),
+    watched by long_work as a trainer's would be."""
+    import types
+
+    from project.engine.distributed import ddp
+    from project.engine.run import long_work
+
+    monkeypatch.setattr(ddp, "set_collective_timeout", lambda timeout: None)
+    monkeypatch.setattr(long_work, "_watched", None)  # unwatched again after the test
+    ledger, timeouts = ledgers.Ledger(None, 2), ddp.CollectiveTimeout(3, None, world_size=2)
+    timeouts.in_steps(), timeouts.in_steps()
+    ledger.mark(ledgers.STEP, 5)
+    long_work.watch(ledger, timeouts, types.SimpleNamespace(stragglers=None))
+    assert timeouts.deadline() == 3
+    return ledger, timeouts
+
+
+def test_a_recompile_inside_the_steps_is_outside_the_step_deadline(monkeypatch) -> None:
+    """torch.compile compiling in a step (the first call, then a new shape) runs on the long
+    deadline, booked as compiling; the short one returns at the second window after."""
+    import torch
+    import torch._dynamo
+
+    ledger, timeouts = watched(monkeypatch)
+    from project.engine.run import long_work
+
+    long_work.follow_compiles()
+    seen = []
+
+    def backend(graph, inputs):  # runs while dynamo compiles
+        seen.append((ledger.phase, timeouts.deadline()))
+        return graph.forward
+
+    double = torch.compile(lambda x: x * 2 + 1, backend=backend, dynamic=False)
+    assert double(torch.ones(3)).tolist() == [3.0] * 3
+    assert ledger.phase == ledgers.STEP and timeouts.deadline() == 600
+    timeouts.in_steps(), timeouts.in_steps()
+    assert timeouts.deadline() == 3
+    double(torch.ones(4))  # another shape: a recompile
+    assert seen == [(ledgers.COMPILE, 600)] * 2
+    assert ledger.buckets[ledgers.BUCKETS.index("other")] > 0
+
+
+class Downloading:
+    """A dataset whose reads each download for 3 s first (a lazy shard copy in a worker)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        from project.engine.run import long_work
+
+        with long_work.during(ledgers.DOWNLOAD):
+            time.sleep(3)
+        return i
+
+
+def test_a_download_in_a_worker_puts_its_rank_on_the_long_deadline(monkeypatch) -> None:
+    """A DataLoader worker downloading while its rank waits for the batch: after a second of
+    waiting the rank's watchdog reads the worker's note and moves the rank to the long
+    deadline, booked as downloading; the note is gone once the download ended."""
+    from torch.utils.data import DataLoader
+
+    from project.engine.run import long_work
+
+    ledger, timeouts = watched(monkeypatch)
+    loader = DataLoader(Downloading(), batch_size=None, num_workers=1,
+                        multiprocessing_context="fork")  # fmt: skip
+    batches = iter(loader)
+    ledger.mark(ledgers.DATA, 5)
+
+    def excused() -> bool:
+        long_work.excuse_workers(ledger)
+        return timeouts.deadline() == 600
+
+    assert hangs.wait_for(excused, 10) and ledger.phase == ledgers.DOWNLOAD
+    assert next(batches) == 0 and next(batches) == 1
+    assert long_work.in_workers() is None  # both downloads are over
+
+
+@pytest.mark.quick
+def test_a_lazy_shard_download_is_outside_the_step_deadline(tmp_path, monkeypatch) -> None:
+    """A remote shard copied into the rank's cache while it trains: on the long deadline,
+    booked as downloading; then back in the step it was in."""
+    import numpy as np
+
+    import project.engine.data.loaders  # noqa: F401  (what every rank imports: it books downloads)
+    from project.data.shards import ShardCache, load_shard, read_index, write_shards
+
+    ledger, timeouts = watched(monkeypatch)
+    write_shards(tmp_path / "remote", [np.arange(10)], [10])
+    seen = []
+
+    class Watching(ShardCache):
+        def fetch(self, url: str, local: str) -> None:
+            seen.append((ledger.phase, timeouts.deadline()))
+            super().fetch(url, local)
+
+    url = f"file://{tmp_path}/remote"
+    shard = load_shard(url, read_index(url)["shards"][0], Watching(tmp_path / "cache"))
+    assert shard.tolist() == list(range(10)) and seen == [(ledgers.DOWNLOAD, 600)]
+    assert ledger.phase == ledgers.STEP

@@ -5,12 +5,13 @@ what users bring. Every sample read is recorded in <record_dir>/reads-rank<R>[-w
 `{restart}` in it is torchrun's restart count) so
 tests can see which rank (and worker) read what; a stream's workers also record their
 parents in <record_dir>/parents-rank<R>-worker<W>.txt. `RecordedSource` is the same data as a
-DataSource, which both trainers read."""
+DataSource, which both trainers read; `SlowSource` too, with slow or stuck reads."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,38 @@ class RecordedSource(DataSource):
     def dataset(self, split: str) -> Dataset:
         offset = {"train": 0, "val": 10**6, "test": 2 * 10**6}[split]
         return Recorded(split, self.sizes[split], offset, self.record_dir)
+
+
+class Slow(Recorded):
+    """`Recorded`, each read taking `read_s` (a slow disk, a decoder); on rank `stall_rank`,
+    the `stall_at`-th read of this process never returns (a stuck loader)."""
+
+    def __init__(self, split: str, n: int, offset: int, record_dir: str, read_s: float,
+                 stall_at: int | None, stall_rank: int) -> None:  # fmt: skip
+        super().__init__(split, n, offset, record_dir)
+        self.read_s, self.stall_at, self.stall_rank, self.reads = read_s, stall_at, stall_rank, 0
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        if self.reads == self.stall_at and rank() == self.stall_rank:
+            while True:
+                time.sleep(3600)
+        time.sleep(self.read_s)
+        return super().__getitem__(i)
+
+
+class SlowSource(RecordedSource):
+    """`Slow` samples to train on, as a data source (both trainers read it)."""
+
+    def __init__(self, record_dir: str, n_train: int = 400, read_s: float = 0.0,
+                 stall_at: int | None = None, stall_rank: int = 1) -> None:  # fmt: skip
+        super().__init__(record_dir, n_train)
+        self.slow = (read_s, stall_at, stall_rank)
+
+    def dataset(self, split: str) -> Dataset:
+        if split != "train":
+            return super().dataset(split)
+        return Slow(split, self.sizes[split], 0, self.record_dir, *self.slow)
 
 
 class PlainDataModule(pl.LightningDataModule):

@@ -95,6 +95,12 @@ class ShardCache:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
+    @staticmethod
+    def downloading(url: str) -> contextlib.AbstractContextManager[Any]:
+        """Around every download: the engine books it outside the step deadline (it sets
+        this in every rank and DataLoader worker: project.engine.data.loaders)."""
+        return contextlib.nullcontext()
+
     def folder(self, rank: int) -> Path:
         return self.root / f"rank{rank}"
 
@@ -115,7 +121,8 @@ class ShardCache:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            self.fetch(url, tmp)
+            with self.downloading(url):
+                self.fetch(url, tmp)
             if os.path.getsize(tmp) != size:
                 raise UserError(
                     f"shard {url} arrived with {os.path.getsize(tmp)} bytes, the index says "

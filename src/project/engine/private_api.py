@@ -85,6 +85,12 @@ USED = (
     (POWERSGD, "_should_compress"),
     (POWERSGD, "PowerSGDState.__slots__"),
     *((POWERSGD, f"PowerSGDState.__slots__.{slot}") for slot in POWERSGD_SLOTS),
+    # torch.compile's compilations, booked outside the step deadline
+    # (engine/run/long_work.py).
+    ("torch", "_dynamo.callback_handler"),
+    ("torch", "_dynamo.callback.CompilationCallbackHandler.start_callbacks"),
+    ("torch", "_dynamo.callback.CompilationCallbackHandler.register_start_callback"),
+    ("torch", "_dynamo.callback.CompilationCallbackHandler.register_end_callback"),
 )
 
 
@@ -315,3 +321,14 @@ def pause_child_observer() -> None:
         if thread.name == "child-process-observer":
             thread._finished = True  # type: ignore[attr-defined]
             thread._terminate_all = lambda: None  # type: ignore[attr-defined]  # mid-sleep
+
+
+def on_compile(start: Callable[[Any], None], end: Callable[[Any], None]) -> None:
+    """Call `start`/`end` around every torch.compile compilation (its outermost one), once
+    torch._dynamo is loaded; registered once (`torch._dynamo.reset()` drops them: call again)."""
+    import sys
+
+    handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+    if handler is not None and start not in handler.start_callbacks:
+        handler.register_start_callback(start)
+        handler.register_end_callback(end)

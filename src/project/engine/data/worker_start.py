@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-ENGINE = ("torch", "project.engine.data.loaders")  # every worker of the template's loaders
+# every worker of the template's loaders; worker_stacks: a hang report can read any worker's
+ENGINE = ("torch", "project.engine.data.loaders", "project.engine.data.worker_stacks")
 
 
 def configure_worker_start(
@@ -49,11 +50,12 @@ def configure_worker_start(
 
 
 def preload(data: Mapping[str, Any], entry_module: str) -> list[str]:
-    """What the fork server imports once for all workers: torch and the template's loaders
-    (their worker seeding), what the entry module imports (a worker runs the entry again as
-    __mp_main__: cheap once that is loaded), and the module of the data a worker unpickles:
-    the dataset's (`data.dataset._target_`), else the user's datamodule's (`data._target_`;
-    one that imports Lightning would otherwise cost every worker seconds)."""
+    """What the fork server imports once for all workers: torch, the template's loaders
+    (their worker seeding) and the workers' stack dumps for a hang report, what the entry
+    module imports (a worker runs the entry again as __mp_main__: cheap once that is loaded),
+    and the module of the data a worker unpickles: the dataset's (`data.dataset._target_`),
+    else the user's datamodule's (`data._target_`; one that imports Lightning would
+    otherwise cost every worker seconds)."""
     dataset = data.get("dataset")
     target = dataset.get("_target_") if isinstance(dataset, Mapping) else None
     target = target or data.get("_target_")

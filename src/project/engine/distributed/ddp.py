@@ -254,11 +254,13 @@ class CollectiveTimeout:
     minutes instead of ten. A dead process is noticed at once either way (gloo and NCCL see
     its connections close). The timeout is per rank and the waiting rank's counts, so the
     short one starts only at the second window after anything that can keep one rank long
-    (the attempt's start, an epoch start with its workers, validation, a checkpoint save): by
-    then every rank has passed a collective since. Inside the steps the deadline grows to
-    three of the slowest recent steps when they are that slow. The trainers call `start` when
-    training starts, `in_steps` at every accumulation window start and `outside_steps` before
-    anything else.
+    (the attempt's start, an epoch start with its workers, validation, a checkpoint save, a
+    recompile or a shard download: project.engine.run.long_work): by then every rank
+    has passed a collective since. Inside the steps the deadline grows to three of the
+    slowest recent steps when they are that slow (the trainers measure the window that just
+    ended before they call `in_steps`, so the first short deadline already counts it). The
+    trainers call `start` when training starts, `in_steps` at every accumulation window start
+    and `outside_steps` before anything else.
     """
 
     REPORT_S = 30.0  # a collective fails this much after the report's deadline

@@ -4,9 +4,10 @@ A watchdog thread on every rank compares the time since the rank's last ledger m
 (project.engine.distributed.ledger) with the deadline of the phase it is in: the short one
 (`strategy.step_timeout_s`) inside the training steps after the first, never less than three
 of the slowest recent steps, so a model whose steps take minutes is not reported as hung; the
-long one (`strategy.timeout`) until then and around validation and checkpoint saves. The
-collectives time out 30 s later (project.engine.distributed.ddp.CollectiveTimeout), so the
-report comes first. When it passes,
+long one (`strategy.timeout`) until then and around validation, checkpoint saves and other
+long work (project.engine.run.long_work). A rank waiting for its DataLoader is shown at its
+worker's frame (project.engine.data.worker_stacks). The collectives time out 30 s later
+(project.engine.distributed.ddp.CollectiveTimeout), so the report comes first. When it passes,
 or when a collective fails because a peer died (`report_peer_failure`), every live rank
 
 1. writes `<run>/hang/rank-<R>.json` (step, phase, collectives issued, its last collectives
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from project.engine.data import worker_stacks
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG, record_exit
 from project.engine.distributed.ledger import Ledger, Record
@@ -209,17 +211,22 @@ def write_own(
     if (tb := None if error is None else error.__traceback__) is not None:
         # where the failing call was made: the frames down to where it was caught, then its
         main = traceback.extract_stack(tb.tb_frame)[:-1] + traceback.extract_tb(tb)
+    # Waiting for a batch: the frame that matters is in the worker that has it.
+    workers = worker_stacks.collect() if worker_stacks.waits_for_loader(main) else {}
+    stuck = next((f"{at} (worker pid {pid})" for pid, text in workers.items()
+                  if (at := worker_stacks.innermost(text))), None)  # fmt: skip
     own = {
         "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), **where,
         "stalled_s": round(stalled, 1),
         "error": None if error is None else str(error).splitlines()[0][:200],
-        "where": ledgers.where(main) if main else "?", "collectives": collectives(),
+        "where": stuck or (ledgers.where(main) if main else "?"), "collectives": collectives(),
     }  # fmt: skip
     text = [f"rank {rank} on {own['host']} (pid {own['pid']}): {own['reason']}",
             f"step {own['step']}, {ledgers.PHASES[own['phase']]}, {own['seq']} collectives issued",
             *(f"  #{c['seq']} {c['op']} {c['sizes']} {'done' if c['done'] else 'NOT DONE'}"
               f"{' from ' + c['issued_at'] if c['issued_at'] else ''}"
-              for c in own["collectives"]), "", stacks]  # fmt: skip
+              for c in own["collectives"]), "", stacks,
+            *(f"\nDataLoader worker {pid}:\n{dump}" for pid, dump in workers.items())]  # fmt: skip
     _atomic_text(folder / f"rank-{rank}.txt", "\n".join(text))
     _atomic_text(folder / f"rank-{rank}.json", json.dumps(own))
 
@@ -345,6 +352,8 @@ def verdict(rows: dict[int, dict[str, Any]]) -> list[str]:
         return [f"  => rank {_ranks(behind)} never issued collective #{first}{where} that rank "
                 f"{_ranks(ahead)} issued: the job waits for rank {_ranks(behind)}, at the "
                 "frame shown"]  # fmt: skip
+    if not any(row.get("pending") or row["dead"] for row in rows.values()):
+        return busy(known)
     kinds: dict[str, list[int]] = {}
     for r in ahead:
         row = known[r]
@@ -369,6 +378,14 @@ def verdict(rows: dict[int, dict[str, Any]]) -> list[str]:
                 "crash file say why)"]  # fmt: skip
     return [f"  => every rank waits in collective #{top}: the transport stalled (network, a "
             "wedged device: on CUDA see the Flight Recorder dumps, docs)"]  # fmt: skip
+
+
+def busy(known: dict[int, dict[str, Any]]) -> list[str]:
+    """No rank is in a collective: each is in its own code (a slow step, a stuck loader)."""
+    data = sorted(r for r, row in known.items() if row["phase"] == ledgers.PHASES[ledgers.DATA])
+    waits = f"; rank {_ranks(data)} waits for its data loader" if data else ""
+    return [f"  => no rank is in a collective: the ranks are busy in their own code{waits}, at "
+            "the frames shown (not a stalled transport)"]  # fmt: skip
 
 
 _STEP_PHASES = {ledgers.PHASES[p] for p in (ledgers.STEP, ledgers.OPTIMIZER, ledgers.STOP_CHECK)}

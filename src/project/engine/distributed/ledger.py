@@ -27,7 +27,7 @@ import sys
 import sysconfig
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,14 @@ from typing import Any
 # Phases, in the order a step goes through them (ids are stored in the file).
 STARTUP, RELOAD, STEP, OPTIMIZER, STOP_CHECK, CHECKPOINT, VALIDATION = range(7)
 EPOCH_END, FAULT, TEST, DETECTION, FINISHED = range(7, 12)
+DATA, COMPILE, DOWNLOAD = range(12, 15)  # later additions keep the ids above
 PHASES = (
     "start-up", "checkpoint reload", "forward/backward (gradient sync)", "optimizer step",
     "stop check", "checkpoint save", "validation (metric sync)", "epoch end (metric sync)",
-    "fault injection", "test", "failure detection", "finished",
+    "fault injection", "test", "failure detection", "finished", "waiting for data",
+    "compiling (torch.compile)", "downloading data",
 )  # fmt: skip
-TRAINING = (STEP, OPTIMIZER, STOP_CHECK, FAULT)  # phases inside the training steps
+TRAINING = (STEP, OPTIMIZER, STOP_CHECK, FAULT, DATA)  # phases inside the training steps
 
 BUCKETS = ("startup", "productive", "validation", "checkpoint", "detection", "restart",
            "reload", "recomputed", "other")  # fmt: skip
@@ -53,6 +55,8 @@ _BUCKET_OF = {
     TEST: 8,
     DETECTION: 4,
     FINISHED: 8,
+    COMPILE: 8,
+    DOWNLOAD: 8,
 }  # fmt: skip; TRAINING: productive or recomputed
 PRODUCTIVE, RESTART, RECOMPUTED = 1, 5, 7
 
@@ -223,14 +227,21 @@ class Ledger:
         """From now on this rank is in `phase` at optimizer step `step` (steps done)."""
         now, progress = time.time(), time.monotonic()
         self.buckets[self._bucket()] += now - self.at
-        if phase == STEP:  # a window (optimizer step) starts: how long did the last one take?
-            if self._window_at is not None:
-                self.window_s = max(progress - self._window_at, 0.9 * self.window_s)
-            self._window_at = progress
-        elif phase not in TRAINING:
+        if phase not in TRAINING:
             self._window_at = None  # validation, a save...: the next window is not measured
+        elif phase == STEP and self._window_at is None:
+            self._window_at = progress  # after a save at the window start: measured from here
         self.phase, self.step, self.at, self.progress = phase, step, now, progress
         self._write()
+
+    def window_start(self) -> None:
+        """An accumulation window (optimizer step) starts: how long did the last one take?
+        Called before the step deadline is set from `window_s`, so the first window measured
+        already stretches the second one's deadline."""
+        progress = time.monotonic()
+        if self._window_at is not None:
+            self.window_s = max(progress - self._window_at, 0.9 * self.window_s)
+        self._window_at = progress
 
     @contextlib.contextmanager
     def during(self, phase: int) -> Iterator[None]:
@@ -241,6 +252,23 @@ class Ledger:
             yield
         finally:
             self.mark(previous, self.step)
+
+    def fetching(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """`batches`, each fetch between two steps booked to DATA (then back to the phase it
+        was in): a stuck loader is reported as waiting for data, not as the step before."""
+        batches = iter(batches)
+        while True:
+            previous = self.phase
+            if previous in TRAINING:
+                self.mark(DATA, self.step)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:
+                if previous in TRAINING:
+                    self.mark(previous, self.step)
+            yield batch
 
     def stalled(self) -> None:
         """A stall or a failure was noticed: the time since the last mark went to detecting it."""

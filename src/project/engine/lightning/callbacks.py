@@ -117,10 +117,12 @@ class RunState(pl.Callback):
         self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
+            self.ledger.mark(ledgers.STEP, trainer.global_step)  # the batch came
             return  # inside an accumulation window: partial gradients are not checkpointed
         stragglers = self.stop.stragglers
         if stragglers is not None:
             stragglers.window_end()
+        self.ledger.window_start()  # the window just ended counts for the deadline set now
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
         epoch_end = self.checkpoints.periodic and batch_idx == 0
@@ -131,6 +133,11 @@ class RunState(pl.Callback):
         self.ledger.mark(ledgers.STEP, trainer.global_step)
         if stragglers is not None:
             stragglers.window_start()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        # Lightning fetches the next batch after this hook (and validation, which marks its
+        # own phase): a stuck loader is then "waiting for data", not the step before it.
+        self.ledger.mark(ledgers.DATA, trainer.global_step)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
         self._backward_at = time.perf_counter()

@@ -5,6 +5,8 @@
 - `step_timeout_s`: the collective timeout inside training steps after the first one
   (project.engine.distributed.ddp.CollectiveTimeout; `timeout` stays the one before and outside
   them).
+- Every checkpoint save is booked outside the step deadline (weights-only ones too, which
+  Lightning hides from the callbacks): project.engine.run.long_work.
 - DDP errors about parameters that got no gradient keep torch's parameter indices (Lightning
   replaces the whole message), so the run skeleton can name the parameters
   (project.engine.distributed.ddp.unused_parameters_reported).
@@ -17,7 +19,9 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
 from project.engine.distributed import ddp
+from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.comm_hooks import CommHook
+from project.engine.run import long_work
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -34,6 +38,12 @@ class DDPStrategy(LightningDDPStrategy):
         ddp.remember_parameters(self.model)
         if self.comm_hook is not None:
             self.comm_hook.register(self.model)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The start of every checkpoint save, on every rank: a weights-only one too, which
+        # Lightning does not announce to the callbacks. Rank 0 writes, the others wait.
+        long_work.outside_steps(ledgers.CHECKPOINT)
+        return super().lightning_module_state_dict()
 
     def on_exception(self, exception: BaseException) -> None:
         if not ddp.UNUSED.search(str(exception)):

@@ -233,8 +233,9 @@ class RawTrainer:
     def batches(self, stage: str, n: int, first: int = 0) -> Iterator[tuple[int, Any]]:
         """(index, batch on the device) for batches first..n-1 of `stage` (the loader already
         skips the first `first` when resuming mid-epoch); batch n is never read."""
+        fetch = self.ledger.fetching if stage == "train" else iter  # "waiting for data"
         loader = itertools.islice(self.loaders[stage], max(n - first, 0))
-        for i, batch in enumerate(loader, start=first):
+        for i, batch in enumerate(fetch(loader), start=first):
             yield i, to_device(batch, self.device)
 
     def n_batches(self, stage: str) -> int:
@@ -330,6 +331,7 @@ class RawTrainer:
         stragglers = self.stop.stragglers
         if stragglers is not None:
             stragglers.window_end()
+        self.ledger.window_start()  # the window just ended counts for the deadline set now
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:

@@ -14,7 +14,7 @@ from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.exits import EXIT_HUNG
 from project.engine.distributed.hangs import Watchdog
 from project.engine.distributed.stragglers import Stragglers
-from project.engine.run import goodput
+from project.engine.run import goodput, long_work
 
 if TYPE_CHECKING:
     from project.engine.distributed.ddp import CollectiveTimeout
@@ -45,6 +45,7 @@ def start(
     ledger.mark(ledgers.STARTUP, step)
     stop.ledger = ledger
     timeouts.start()
+    long_work.watch(ledger, timeouts, stop)  # a weights-only save, a recompile, a download
     stop.stragglers = Stragglers.of(run.cfg.get("stragglers"), rank, world, log_metrics)
     watchdog = None
     if world > 1:
@@ -59,13 +60,18 @@ def start(
                 closing.start()
                 closing.join(5)
 
-        watchdog = Watchdog(ledger, timeouts.deadline, run.output_dir, kill_children, on_end)
+        def deadline() -> float:
+            long_work.excuse_workers(ledger)  # a worker downloading a shard: the long one
+            return timeouts.deadline()
+
+        watchdog = Watchdog(ledger, deadline, run.output_dir, kill_children, on_end)
         watchdog.start()
     return Watch(ledger, watchdog, stop.stragglers)
 
 
 def end(watch: Watch | None, step: int, log_metrics: LogMetrics | None) -> None:
     """At train end: no more watching; rank 0 logs the goodput so far."""
+    long_work.unwatch()
     if watch is None:
         return
     if watch.watchdog is not None:
@@ -78,5 +84,6 @@ def end(watch: Watch | None, step: int, log_metrics: LogMetrics | None) -> None:
 
 def stop_watching() -> None:
     """However training ended (an error too): the watchdog must not outlive it."""
+    long_work.unwatch()
     if (watchdog := hangs.active()) is not None:
         watchdog.stop()

@@ -1,0 +1,118 @@
+"""The Python stacks of a rank's DataLoader workers, for the hang report.
+
+A worker stuck in the user's dataset leaves its rank waiting for data, and the rank's own
+stack shows only torch's queue. So every process forked after this module is imported (a
+worker forked from the rank, or from the fork server, which imports it first:
+project.engine.data.worker_start) registers faulthandler on SIGNAL, writing into an
+anonymous in-memory file of its own (a memfd: nothing on disk, nothing to clean up). The
+report sends SIGNAL to the rank's descendants that catch it (a process that does not, a
+spawned worker, is never sent it: its default action would end it) and reads each one's dump
+through /proc/<pid>/fd. Linux only; elsewhere nothing is registered and nothing collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from project.engine.distributed.ledger import is_user_code, where
+
+SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None  # used by nothing else
+NAME = "project-worker-stacks"
+LOADER = f"torch{os.sep}utils{os.sep}data{os.sep}dataloader.py"  # a rank waiting for a batch
+
+_dump: IO[str] | None = None  # this process's memfd, kept open while it lives
+
+
+def _register() -> None:
+    """In a freshly forked child: dump every thread's stack into a memfd on SIGNAL."""
+    global _dump
+    with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
+        _dump = os.fdopen(os.memfd_create(NAME, os.MFD_CLOEXEC), "w")
+        faulthandler.register(SIGNAL, file=_dump, all_threads=True, chain=False)
+
+
+if SIGNAL is not None and hasattr(os, "memfd_create"):  # at import, in the rank and fork server
+    os.register_at_fork(after_in_child=_register)
+
+
+def waits_for_loader(frames: list[Any]) -> bool:
+    """The main thread is inside a DataLoader's iterator (its workers have the batch)."""
+    return any(LOADER in getattr(f, "filename", "") for f in frames)
+
+
+def collect(seconds: float = 2.0) -> dict[int, str]:
+    """{pid: its stacks} of this process's descendants that registered (workers)."""
+    if SIGNAL is None:
+        return {}
+    dumps = {pid: fd for pid in _descendants(os.getpid()) if (fd := _memfd(pid)) is not None}
+    for pid in list(dumps):
+        try:
+            os.kill(pid, SIGNAL)
+        except OSError:
+            del dumps[pid]
+    texts: dict[int, str] = {}
+    end = time.monotonic() + seconds
+    while len(texts) < len(dumps) and time.monotonic() < end:
+        for pid, fd in dumps.items():
+            with contextlib.suppress(OSError):
+                if pid not in texts and "File" in (text := Path(fd).read_text()):
+                    texts[pid] = text
+        time.sleep(0.05)
+    return texts
+
+
+def innermost(text: str) -> str | None:
+    """The innermost frame of project or user code in a faulthandler dump (any thread)."""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+        found = re.findall(r'\s*File "(.+)", line (\d+) in (.+)', block)
+        frames = [{"filename": f, "line": n, "name": name} for f, n, name in reversed(found)]
+        if any(is_user_code(f["filename"]) for f in frames):
+            return where(frames)
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.name.isdigit():
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _memfd(pid: int) -> str | None:
+    """/proc/<pid>/fd/<n> of its dump, if it catches SIGNAL (else None)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(re.search(r"SigCgt:\s*([0-9a-f]+)", status)[1], 16)  # type: ignore[index]
+    except (OSError, TypeError, ValueError):
+        return None
+    return memfd(pid, NAME) if caught >> (SIGNAL - 1) & 1 else None
+
+
+def memfd(pid: int, name: str) -> str | None:
+    """/proc/<pid>/fd/<n> of the process's memfd called `name` (None: it has none)."""
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith(f"/memfd:{name}"):
+                    return str(fd)
+    return None
+
+
+def in_descendants(name: str) -> list[str]:
+    """The memfds called `name` of this process's descendants (its workers' notes)."""
+    return [fd for pid in _descendants(os.getpid()) if (fd := memfd(pid, name)) is not None]
