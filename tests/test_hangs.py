@@ -425,11 +425,11 @@ def test_a_workers_stack_is_read_from_outside(tmp_path) -> None:
     worker of the template is) dumps its stacks on request: the innermost user frame."""
     import multiprocessing
 
-    from project.engine.data import worker_stacks
+    from project.engine.distributed import worker_stacks
     from tests.helpers import block_forever
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["project.engine.data.worker_stacks", "tests.helpers"])
+    context.set_forkserver_preload(["project.engine.distributed.worker_stacks", "tests.helpers"])
     worker = context.Process(target=block_forever)
     worker.start()
     try:

@@ -98,7 +98,7 @@ class ShardCache:
     @staticmethod
     def downloading(url: str) -> contextlib.AbstractContextManager[Any]:
         """Around every download: the engine books it outside the step deadline (it sets
-        this in every rank and DataLoader worker: project.engine.data.loaders)."""
+        this in every rank and DataLoader worker: project.engine.run.long_work)."""
         return contextlib.nullcontext()
 
     def folder(self, rank: int) -> Path:

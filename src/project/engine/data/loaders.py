@@ -16,16 +16,10 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
-from project.data.shards import ShardCache
 from project.data.source import DataSource
 from project.data.stream import ShardedStream
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
-from project.engine.run import long_work
-
-# A remote shard's download runs on the long deadline (noted for the rank in a worker): every
-# rank imports this module, and the fork server preloads it for its workers.
-ShardCache.downloading = staticmethod(long_work.downloading)  # type: ignore[method-assign]
 
 
 def build_source(dataset: Any) -> DataSource:

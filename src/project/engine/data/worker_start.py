@@ -30,7 +30,10 @@ from types import ModuleType
 from typing import Any
 
 # every worker of the template's loaders; worker_stacks: a hang report can read any worker's
-ENGINE = ("torch", "project.engine.data.loaders", "project.engine.data.worker_stacks")
+# stacks; long_work: a worker's shard download is noted for its rank (named, not imported:
+# those modules sit above this one)
+ENGINE = ("torch", "project.engine.data.loaders", "project.engine.distributed.worker_stacks",
+          "project.engine.run.long_work")  # fmt: skip
 
 
 def configure_worker_start(

@@ -6,7 +6,7 @@ A watchdog thread on every rank compares the time since the rank's last ledger m
 of the slowest recent steps, so a model whose steps take minutes is not reported as hung; the
 long one (`strategy.timeout`) until then and around validation, checkpoint saves and other
 long work (project.engine.run.long_work). A rank waiting for its DataLoader is shown at its
-worker's frame (project.engine.data.worker_stacks). The collectives time out 30 s later
+worker's frame (project.engine.distributed.worker_stacks). The collectives time out 30 s later
 (project.engine.distributed.ddp.CollectiveTimeout), so the report comes first. When it passes,
 or when a collective fails because a peer died (`report_peer_failure`), every live rank
 
@@ -35,8 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from project.engine.data import worker_stacks
 from project.engine.distributed import ledger as ledgers
+from project.engine.distributed import worker_stacks
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG, record_exit
 from project.engine.distributed.ledger import Ledger, Record
 from project.engine.private_api import collective_counter, flight_recorder, pause_child_observer

@@ -9,8 +9,9 @@ longer, and no trainer hook announces it:
   (project.engine.lightning.strategy);
 - a torch.compile (re)compilation inside a step (a new shape, a guard that failed):
   torch.compile's compile callbacks announce it (`follow_compiles`);
-- a lazy download of a remote shard (project.data.shards: project.engine.data.loaders
-  points its `ShardCache.downloading` here).
+- a lazy download of a remote shard (project.data.shards: `ShardCache.downloading` is pointed
+  here when this module is imported: every training rank imports it, and the fork server
+  preloads it for its workers, project.engine.data.worker_start).
 
 Each calls `during(phase)`: the rank switches to the long deadline (`strategy.timeout`, the
 collectives too) and the ledger says what it does; afterwards it is back in the phase it
@@ -30,7 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from project.engine.data import worker_stacks
+from project.data.shards import ShardCache
+from project.engine.distributed import worker_stacks
 from project.engine.distributed.ledger import COMPILE, DATA, DOWNLOAD
 from project.engine.private_api import on_compile
 
@@ -85,6 +87,9 @@ def outside_steps(phase: int) -> None:
 def downloading(url: str) -> contextlib.AbstractContextManager[None]:
     """Around a remote shard's download (project.data.shards.ShardCache)."""
     return during(DOWNLOAD)
+
+
+ShardCache.downloading = staticmethod(downloading)  # type: ignore[method-assign]
 
 
 NOTE = "project-long-work"
