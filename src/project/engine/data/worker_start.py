@@ -16,7 +16,8 @@ rank. The server imports torch, what the entry point imports and the dataset's m
 receives the dataset pickled, so a dataset must pickle (an open file handle or a lambda in
 it fails at the first epoch, in the rank, with Python's pickling error).
 `worker_start_method=fork` is PyTorch's default on Linux, for datasets that cannot pickle,
-at the risk above on older CPython.
+at the risk above on older CPython. Either way the workers end with their rank, however it
+ends (project.engine.data.die_with_rank).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-ENGINE = ("torch", "project.engine.data.loaders")  # every worker of the template's loaders
+from project.engine.data.die_with_rank import children_die_with_me
+
+# Every worker of the template's loaders; die_with_rank: the workers end with their rank.
+ENGINE = ("torch", "project.engine.data.loaders", "project.engine.data.die_with_rank")
 
 
 def configure_worker_start(
@@ -41,6 +45,8 @@ def configure_worker_start(
     workers starts it (a run without workers pays nothing). `data`: the `data` config."""
     method = method or "forkserver"
     multiprocessing.set_start_method(method, force=True)
+    if method == "fork":  # forkserver: the server arms itself when it imports die_with_rank
+        children_die_with_me()
     if method == "forkserver":
         data = data or {}
         multiprocessing.set_forkserver_preload(preload(data, entry_module))
