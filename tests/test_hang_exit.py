@@ -7,7 +7,9 @@ whose layout changed still leaves a report."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ from torch.utils.data import Dataset
 from project.engine.distributed import hangs
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG
-from tests.helpers import ROOT, finish, job_processes, launcher, start
+from tests.helpers import ROOT, finish, job_processes, launcher, running, start
 
 ARGS = ["trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null",
         "trainer.accelerator=cpu"]  # fmt: skip
@@ -84,6 +86,42 @@ def test_no_set_of_workers_accumulates_across_torchrun_restarts(base_args) -> No
         counter.join()
     assert code == 0 and "hang report:" in out, out[-3000:]
     assert 1 <= most[0] <= 2, most[0]
+
+
+ORPHANS = """
+import multiprocessing.forkserver, os, sys, time
+from pathlib import Path
+from torch.utils.data import DataLoader
+from project.engine.data.worker_start import configure_worker_start
+from tests.helpers import StuckReads
+method, folder = sys.argv[1], Path(sys.argv[2])
+configure_worker_start(method, {"num_workers": 1}, "project.engine.data.loaders")
+batches = iter(DataLoader(StuckReads(str(folder)), num_workers=1))
+while not list(folder.glob("worker-*")):
+    time.sleep(0.05)
+(folder / f"server-{multiprocessing.forkserver._forkserver._forkserver_pid}").touch()
+os._exit(0)  # as a hang report ends a rank: no loader shut down
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_a_ranks_worker_stuck_in_the_dataset_ends_with_it(tmp_path, method) -> None:
+    """A rank that ends with os._exit while its worker is inside the dataset's code: the
+    worker (and the fork server) are gone within 3 s. (torch's worker only checks its
+    parent between reads; the fork server stayed while any worker held its pipe.)"""
+    err = tmp_path / "stderr"  # not a pipe: a process left behind would hold it open
+    with err.open("w") as to:
+        done = subprocess.run([sys.executable, "-c", ORPHANS, method, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=to, timeout=120)  # fmt: skip
+    assert done.returncode == 0, err.read_text()[-3000:]
+    pids = [int(p.name.split("-")[1]) for p in tmp_path.iterdir() if p.name[-1].isdigit()]
+    assert len(pids) == (2 if method == "forkserver" else 1), pids
+    deadline = time.monotonic() + 3
+    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # not to leave them behind when this fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{left} of {pids} outlived their rank"
 
 
 # --- a rank stuck in C code holding Python's lock (GIL) -----------------------------------
