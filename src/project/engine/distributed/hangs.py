@@ -19,7 +19,12 @@ or when a collective fails because a peer died (`report_peer_failure`), every li
    innermost frame of project or user code of each;
 3. every rank exits with EXIT_HUNG (a stall) or EXIT_FAILED (a peer died), the others once
    rank 0 has begun its report (or is gone), so that Lightning's launcher does not kill rank
-   0 while it writes; rank 0 then kills the ranks that launcher started: no process is left.
+   0 while it writes; rank 0 then kills the ranks that launcher started: no process is left
+   (a rank's DataLoader workers and fork server end with it: project.engine.data.die_with_rank).
+
+A rank stuck in C code that holds the GIL runs no thread of its own, so it cannot report:
+faulthandler's C thread ends it STUCK_S after its deadline (`Watchdog._backstop`), leaving its
+stacks in the ledger's `.crash` file, which the others' screen reads.
 """
 
 from __future__ import annotations
