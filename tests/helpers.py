@@ -388,3 +388,29 @@ def block_forever() -> None:
 
     while True:
         time.sleep(3600)
+
+
+class StuckReads:
+    """A dataset whose first read records its worker's pid (`<folder>/worker-<pid>`) and
+    never returns: a DataLoader worker stuck in a user's dataset code."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        import time
+
+        Path(self.folder, f"worker-{os.getpid()}").touch()
+        while True:
+            time.sleep(3600)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

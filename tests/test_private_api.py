@@ -4,11 +4,12 @@ quick tier, instead of in a run."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
 
-from project.engine.private_api import USED
+from project.engine.private_api import FR_DUMP, FR_ENTRY, USED
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -27,8 +28,30 @@ def instance_attributes(cls: type) -> set[str]:
     )
 
 
+@functools.cache
+def flight_recorder_entry() -> frozenset[str]:
+    """The fields of a real Flight Recorder entry: one all-reduce in a 1-process gloo group."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(1))
+        dump = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+    finally:
+        dist.destroy_process_group()
+    return frozenset(dump["entries"][-1])
+
+
 @pytest.mark.parametrize(("module", "dotted"), USED, ids=[f"{m}:{d}" for m, d in USED])
 def test_private_name_exists(module: str, dotted: str) -> None:
+    if dotted.startswith(f"{FR_DUMP}.entries."):  # a field of the dump's entries
+        field = dotted.removeprefix(f"{FR_DUMP}.entries.")
+        assert field in flight_recorder_entry(), f"Flight Recorder entries have no {field!r}"
+        return
     obj = importlib.import_module(module)
     *owners, name = dotted.split(".")
     for owner in owners:
@@ -49,6 +72,17 @@ def test_the_check_can_fail() -> None:
     assert not hasattr(progress._Progress, "current")  # a field with a default factory
     assert "current" in instance_attributes(progress._Progress)
     assert "currently" not in instance_attributes(progress._Progress)
+
+
+def test_the_hang_report_reads_only_the_declared_flight_recorder_fields() -> None:
+    """Every field hangs.py reads of an entry by key is declared in FR_ENTRY (and so checked
+    above against a real dump); "frames" is optional, read with .get."""
+    import re
+    from pathlib import Path
+
+    hangs = Path(__file__).resolve().parents[1] / "src/project/engine/distributed/hangs.py"
+    read = set(re.findall(r'\be\["(\w+)"\]', hangs.read_text()))
+    assert read and read <= set(FR_ENTRY), read - set(FR_ENTRY)
 
 
 def test_the_template_uses_no_other_private_name_of_powersgd_and_the_fit_loop() -> None:

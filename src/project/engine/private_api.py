@@ -19,7 +19,15 @@ POWERSGD_SLOTS = (
     "process_group", "iter", "start_powerSGD_iter", "matrix_approximation_rank",
     "min_compression_rate", "rng", "error_dict", "p_memory_dict", "q_memory_dict",
 )  # fmt: skip
-# (module, dotted attribute) of every private name the template uses.
+# The fields of a Flight Recorder entry (`_dump_fr_trace_json`'s "entries") the hang report
+# reads (engine/distributed/hangs.py). torch is rewriting the recorder for gloo: a dump whose
+# entries lack one leaves the report to the ledger alone. An entry's "frames" (where it was
+# issued) are read when present: torch 2.13's JSON dump has none.
+FR_DUMP = "_dump_fr_trace_json"
+FR_ENTRY = ("collective_seq_id", "profiling_name", "retired", "input_sizes", "process_group",
+            "is_p2p")  # fmt: skip
+# (module, dotted attribute) of every private name the template uses; `FR_DUMP.entries.<f>`:
+# a field of that dump's entries (tests/test_private_api.py reads a real one).
 USED = (
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor"),
     ("lightning.pytorch.core.module", "LightningModule._current_fx_name"),
@@ -42,7 +50,8 @@ USED = (
     # torch's Flight Recorder, and Lightning's watcher of the ranks its launcher started.
     ("torch.distributed.distributed_c10d", "_get_default_group"),
     ("torch.distributed", "ProcessGroup._get_sequence_number_for_group"),
-    ("torch._C._distributed_c10d", "_dump_fr_trace_json"),
+    ("torch._C._distributed_c10d", FR_DUMP),
+    *(("torch._C._distributed_c10d", f"{FR_DUMP}.entries.{field}") for field in FR_ENTRY),
     ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver._finished"),
     (
         "lightning.fabric.strategies.launchers.subprocess_script",
@@ -297,19 +306,29 @@ def collective_counter() -> Callable[[], int]:
     return sequence_number
 
 
-def flight_recorder() -> list[dict[str, Any]]:
+def flight_recorder() -> list[dict[str, Any]] | None:
     """torch's Flight Recorder entries (the last collectives of every process group), oldest
-    first; [] when it is off or unavailable."""
+    first, each a dict with at least the FR_ENTRY fields; None when it is off, unavailable, or
+    its entries are laid out otherwise (the caller then knows the collectives' count only)."""
     import json
+    import os
 
+    sizes = (os.environ.get("TORCH_FR_BUFFER_SIZE"), os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+    if "0" in sizes:
+        return None  # turned off by the user: no entry does not mean no collective
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        return json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False)).get(
-            "entries", []
-        )
+        entries = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+        entries = entries["entries"]
     except Exception:  # a report must not fail because the recorder did
-        return []
+        return None
+    if not isinstance(entries, list):
+        return None
+    fields = set(FR_ENTRY)
+    if all(isinstance(e, dict) and fields <= e.keys() for e in entries):
+        return entries
+    return None
 
 
 def pause_child_observer() -> None:

@@ -16,7 +16,8 @@ rank. The server imports torch, what the entry point imports and the dataset's m
 receives the dataset pickled, so a dataset must pickle (an open file handle or a lambda in
 it fails at the first epoch, in the rank, with Python's pickling error).
 `worker_start_method=fork` is PyTorch's default on Linux, for datasets that cannot pickle,
-at the risk above on older CPython.
+at the risk above on older CPython. Either way the workers end with their rank, however it
+ends (project.engine.data.die_with_rank).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-# every worker of the template's loaders; worker_stacks: a hang report can read any worker's
-# stacks; long_work: a worker's shard download is noted for its rank (named, not imported:
-# those modules sit above this one)
-ENGINE = ("torch", "project.engine.data.loaders", "project.engine.distributed.worker_stacks",
-          "project.engine.run.long_work")  # fmt: skip
+from project.engine.data.die_with_rank import children_die_with_me
+
+# Every worker of the template's loaders; die_with_rank: the workers end with their rank;
+# worker_stacks: a hang report can read any worker's stacks; long_work: a worker's shard
+# download is noted for its rank (named, not imported: those modules sit above this one).
+ENGINE = ("torch", "project.engine.data.loaders", "project.engine.data.die_with_rank",
+          "project.engine.distributed.worker_stacks", "project.engine.run.long_work")  # fmt: skip
 
 
 def configure_worker_start(
@@ -45,6 +48,8 @@ def configure_worker_start(
     workers starts it (a run without workers pays nothing). `data`: the `data` config."""
     method = method or "forkserver"
     multiprocessing.set_start_method(method, force=True)
+    if method == "fork":  # forkserver: the server arms itself when it imports die_with_rank
+        children_die_with_me()
     if method == "forkserver":
         data = data or {}
         multiprocessing.set_forkserver_preload(preload(data, entry_module))

@@ -37,6 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from project.engine.distributed import hangs
 from project.engine.distributed.exits import EXIT_FAILED, fail
 from project.engine.distributed.hangs import is_peer_failure, report_peer_failure
 from project.engine.errors import UserError
@@ -283,6 +284,8 @@ class CollectiveTimeout:
     def _set(self) -> None:
         seconds = self.deadline() + self.REPORT_S
         set_collective_timeout(datetime.timedelta(seconds=seconds))
+        if (watchdog := hangs.active()) is not None:  # its backstop follows the deadline
+            watchdog.rearm()
 
     def start(self) -> None:
         """When training starts: the collectives wait REPORT_S longer than the report."""

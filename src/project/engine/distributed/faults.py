@@ -2,6 +2,7 @@
 
     python train.py fault_injection.at_step=30 fault_injection.rank=1   # SIGKILL rank 1 at step 30
     python train.py ... fault_injection.mode=hang    # rank 1 stops responding (a hang report)
+    python train.py ... fault_injection.mode=gil     # ... inside C code holding the GIL
     python train.py ... fault_injection.mode=desync  # rank 1 issues one extra all-reduce
     python train.py ... fault_injection.mode=slow fault_injection.slow_ms=50  # from step 30 on
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from project.engine.distributed.ledger import FAULT
 
-MODES = ("sigkill", "sigterm", "sigint", "exception", "hang", "desync", "slow")
+MODES = ("sigkill", "sigterm", "sigint", "exception", "hang", "gil", "desync", "slow")
 
 
 class InjectedFault(RuntimeError):
@@ -54,6 +55,13 @@ def maybe_fail(step: int, rank: int, cfg: Mapping[str, Any] | None, ledger: Any 
     elif mode == "hang":  # a rank that stops responding (deadlock, stuck I/O, a wedged GPU)
         while True:
             time.sleep(3600)
+    elif mode == "gil":  # a deadlock in C code that holds the GIL: none of its threads runs
+        import ctypes
+
+        libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL during a call (CDLL drops it)
+        mutex = ctypes.create_string_buffer(64)  # a zeroed pthread mutex: unlocked, not recursive
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)  # waits for itself; a signal does not end the wait
     elif mode == "desync":  # rank-dependent code: a collective the other ranks do not issue
         extra_all_reduce(ledger, step)
     elif mode != "slow":

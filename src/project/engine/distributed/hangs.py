@@ -20,11 +20,17 @@ or when a collective fails because a peer died (`report_peer_failure`), every li
    innermost frame of project or user code of each;
 3. every rank exits with EXIT_HUNG (a stall) or EXIT_FAILED (a peer died), the others once
    rank 0 has begun its report (or is gone), so that Lightning's launcher does not kill rank
-   0 while it writes; rank 0 then kills the ranks that launcher started: no process is left.
+   0 while it writes; rank 0 then kills the ranks that launcher started: no process is left
+   (a rank's DataLoader workers and fork server end with it: project.engine.data.die_with_rank).
+
+A rank stuck in C code that holds the GIL runs no thread of its own, so it cannot report:
+faulthandler's C thread ends it STUCK_S after its deadline (`Watchdog._backstop`), leaving its
+stacks in the ledger's `.crash` file, which the others' screen reads.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
@@ -43,7 +49,13 @@ from project.engine.private_api import collective_counter, flight_recorder, paus
 
 FOLDER = "hang"
 GATHER_S = 10.0  # how long rank 0 waits for the other ranks' reports
+# A rank that cannot report (stuck in C code that holds the GIL) is ended this long after its
+# deadline: within the others' wait for its report, which then shows where it was stuck.
+STUCK_S = 10.0
+REPORT_BOUND_S = 3 * GATHER_S + 30  # a report that takes longer ends its process all the same
 SCREEN = "report.txt"
+UNKNOWN = ("collectives unknown: torch's Flight Recorder is off or laid out otherwise; the count "
+           "issued is the ledger's")  # fmt: skip
 DOCS = "docs/troubleshooting.md#a-hang-report"
 
 _active: Watchdog | None = None
@@ -71,20 +83,53 @@ class Watchdog:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        self._arming = threading.Lock()
+        self._stacks: Any = sys.stderr  # where the backstop writes the stacks (_backstop)
 
     def start(self) -> None:
         global _active
         self.ledger.attach(collective_counter())
         _active = self
+        if self.ledger.folder is not None:  # beside a fatal signal's stacks (ledger.py)
+            crash = self.ledger.folder / f"rank-{self.ledger.rank}.crash"
+            self._stacks = open(crash, "a")  # noqa: SIM115  # closed by stop()
+        self.rearm()
         self._thread.start()
 
     def stop(self) -> None:
         global _active
-        self._stop.set()
+        with self._arming:
+            self._stop.set()
+            reporting = self._lock.locked()
+            if not reporting:
+                faulthandler.cancel_dump_traceback_later()
+                if self._stacks is not sys.stderr:
+                    self._stacks.close()
         if _active is self:
             _active = None
-        if self._lock.locked():  # a report is being written: it ends the process
+        if reporting:  # a report is being written: it ends the process
             time.sleep(3 * GATHER_S + 30)
+
+    def rearm(self) -> None:
+        """The deadline changed (project.engine.distributed.ddp.CollectiveTimeout): the
+        backstop follows at once, not at the next tick (a rank may be stuck before it)."""
+        self._backstop(self.limit() + STUCK_S)
+
+    def _backstop(self, seconds: float, reporting: bool = False) -> None:
+        """Unless called again within `seconds`, a C thread of faulthandler's, which needs no
+        GIL, writes every thread's stack to the rank's crash file and ends the process (exit
+        1). A rank stuck in C code that holds the GIL runs neither the watchdog thread nor a
+        signal handler: nothing else ends it (Lightning's launcher does not, when it is rank
+        0). Process-wide: a user's own faulthandler.dump_traceback_later is replaced."""
+        with self._arming:
+            if self._lock.locked() != reporting:  # a report has its own bound
+                return
+            if self._stop.is_set() and not reporting:  # training ended: nothing may end it
+                return
+            try:
+                faulthandler.dump_traceback_later(seconds, exit=True, file=self._stacks)
+            except (ValueError, OSError):  # the file was closed by stop()
+                faulthandler.dump_traceback_later(seconds, exit=True)
 
     def limit(self) -> float:
         """The phase's deadline (never less than 3 of the slowest recent steps: the trainers
@@ -93,6 +138,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.limit() / 20)):
+            self.rearm()
             stalled = time.monotonic() - self.ledger.progress
             if stalled > (limit := self.limit()):
                 self.report(f"no progress for {stalled:.0f} s (deadline {limit:.0f} s)",
@@ -116,6 +162,7 @@ class Watchdog:
         if not self._lock.acquire(blocking=False):
             time.sleep(3 * GATHER_S + 30)  # the other thread is reporting and ends the process
             os._exit(code)  # ... unless its report got stuck
+        self._backstop(REPORT_BOUND_S, reporting=True)
         stalled = time.monotonic() - self.ledger.progress
         where = {"step": self.ledger.step, "phase": self.ledger.phase, "seq": self.ledger.seq()}
         self.ledger.stalled()  # the time since the last mark: detection (goodput)
@@ -152,12 +199,20 @@ class Watchdog:
         return min(reports, default=self.ledger.rank) >= self.ledger.rank
 
 
+# What gloo and NCCL say when the other side of a collective is gone or stopped answering
+# (torch 2.13's texts; tests/test_hang_exit.py makes gloo's for real). Not any "timed out": a
+# user's DataLoader(timeout=...) or download says that too, and is their own error.
+PEER_GONE = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe"  # its socket closed (gloo, the store)
+    r"|Timed out waiting \d+ms for (?:send|recv) operation"  # gloo's collective timeout
+    r"|Application timeout caused pair closure"  # gloo, after such a timeout
+    r"|NCCL communicator was aborted|Watchdog caught collective operation timeout"
+)
+
+
 def is_peer_failure(err: BaseException) -> bool:
     """gloo/NCCL errors that mean "the other side is gone", not a bug in this process."""
-    text = str(err)
-    markers = ("Connection closed by peer", "Connection reset by peer", "timed out",
-               "Timed out", "NCCL communicator was aborted", "Broken pipe")  # fmt: skip
-    return type(err).__name__ == "DistBackendError" or any(m in text for m in markers)
+    return type(err).__name__ == "DistBackendError" or PEER_GONE.search(str(err)) is not None
 
 
 def report_peer_failure(err: BaseException) -> None:
@@ -184,18 +239,34 @@ def _atomic_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def collectives(limit: int = 12) -> list[dict[str, Any]]:
-    """The default process group's last collectives from the Flight Recorder."""
+def collectives(limit: int = 12) -> list[dict[str, Any]] | None:
+    """The default process group's last collectives from the Flight Recorder; None when it
+    is off or laid out otherwise (private_api.FR_ENTRY): the report then has the ledger's
+    count of collectives issued, never an error in the watchdog thread."""
+    entries = flight_recorder()
+    if entries is None:
+        return None
     rows = []
-    for e in flight_recorder():
-        if e.get("process_group", ["", "default_pg"])[1] != "default_pg" or e.get("is_p2p"):
-            continue
-        rows.append({
-            "seq": e["collective_seq_id"], "op": e["profiling_name"].split(":")[-1],
-            "sizes": e.get("input_sizes", []), "done": bool(e.get("retired")),
-            "issued_at": ledgers.where(e["frames"]) if e.get("frames") else None,
-        })  # fmt: skip
+    try:
+        for e in entries:
+            if e["process_group"][1] != "default_pg" or e["is_p2p"]:
+                continue
+            rows.append({
+                "seq": int(e["collective_seq_id"]), "op": str(e["profiling_name"]).split(":")[-1],
+                "sizes": list(e["input_sizes"]), "done": bool(e["retired"]),
+                "issued_at": _issued_at(e.get("frames")),
+            })  # fmt: skip
+    except (LookupError, TypeError, ValueError):
+        return None
     return rows[-limit:]
+
+
+def _issued_at(frames: Any) -> str | None:
+    """Where a collective was issued, when the entry has its frames (an optional field)."""
+    try:
+        return ledgers.where(frames) if frames else None
+    except (LookupError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def write_own(
@@ -221,11 +292,12 @@ def write_own(
         "error": None if error is None else str(error).splitlines()[0][:200],
         "where": stuck or (ledgers.where(main) if main else "?"), "collectives": collectives(),
     }  # fmt: skip
+    known = own["collectives"]
     text = [f"rank {rank} on {own['host']} (pid {own['pid']}): {own['reason']}",
             f"step {own['step']}, {ledgers.PHASES[own['phase']]}, {own['seq']} collectives issued",
             *(f"  #{c['seq']} {c['op']} {c['sizes']} {'done' if c['done'] else 'NOT DONE'}"
-              f"{' from ' + c['issued_at'] if c['issued_at'] else ''}"
-              for c in own["collectives"]), "", stacks,
+              f"{' from ' + c['issued_at'] if c['issued_at'] else ''}" for c in known or ()),
+            *([] if known is not None else [f"  {UNKNOWN}"]), "", stacks,
             *(f"\nDataLoader worker {pid}:\n{dump}" for pid, dump in workers.items())]  # fmt: skip
     _atomic_text(folder / f"rank-{rank}.txt", "\n".join(text))
     _atomic_text(folder / f"rank-{rank}.json", json.dumps(own))
@@ -296,15 +368,18 @@ def _row(report: dict[str, Any] | None, record: Record | None, crash: Path) -> d
     """What one rank was doing: from its report, else (dead, or stuck holding the GIL) from
     its ledger file and the stack a fatal signal left. `cells`: step, phase, state, where."""
     if report is not None:
-        pending = [c for c in report["collectives"] if not c["done"]]
+        known = report["collectives"]  # None: the Flight Recorder could not say (UNKNOWN)
+        pending = [c for c in known or () if not c["done"]]
         if pending:
             c = pending[-1]
             state = f"waits in #{c['seq']} {c['op']} {_sizes(c['sizes'])}"
+        elif known is None:
+            state = f"issued #{report['seq']} (collectives unknown)"
         else:
             state = f"in no collective (issued #{report['seq']})"
         phase = ledgers.PHASES[report["phase"]]
         cells = (f"step {report['step']}", phase, state, f"at {report['where']}")
-        latest = next((c for c in report["collectives"] if c["seq"] == report["seq"]), None)
+        latest = next((c for c in known or () if c["seq"] == report["seq"]), None)
         return {"seq": report["seq"], "phase": phase, "step": report["step"], "op": latest,
                 "pending": pending[-1] if pending else None, "cells": cells,
                 "dead": False}  # fmt: skip
