@@ -151,6 +151,15 @@ def test_no_folder_holds_more_than_eight_modules() -> None:
         assert len(modules) <= 8, f"{folder.relative_to(ROOT)}: {len(modules)} modules"
 
 
+MODULE_LINES = 520  # a module one reads at a glance; past it, split by concern
+
+
+def test_no_module_is_longer_than_a_read_at_a_glance() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MODULE_LINES}  # fmt: skip
+    assert not long, f"modules over {MODULE_LINES} lines (split them by concern): {long}"
+
+
 def test_private_apis_are_touched_in_one_module() -> None:
     """Names listed in project.engine.private_api.USED appear nowhere else in src/ (but the
     MLflow logger subclass, which reads its parent's state, and the start-up benchmark)."""

@@ -8,7 +8,7 @@ Lightning's. What had to match for that is marked "parity:".
 | Lightning feature                                  | where it happens here                |
 |----------------------------------------------------|--------------------------------------|
 | Trainer(devices, num_nodes), DDPStrategy options   | `setup_distributed`, `wrap_model`     |
-| DDP comm hooks (the template's strategy.comm_hook) | `wrap_model`, `save_last`, `load`     |
+| DDP comm hooks (the template's strategy.comm_hook) | `wrap_model`, raw/checkpointing.py    |
 | seed_everything, deterministic, benchmark          | `__init__` (raw/rng.py)               |
 | LightningDataModule prepare_data/setup, sampler    | `setup_data` (prepare once per node)  |
 | LightningModule.training_step under DDP            | `Step.forward` -> `task.step`         |
@@ -19,8 +19,8 @@ Lightning's. What had to match for that is marked "parity:".
 | self.log of torchmetrics (synced at epoch end)     | `compute`, `log_scalar`               |
 | limit_*_batches, fast_dev_run                      | `n_batches`                           |
 | max_epochs, max_steps (mid-epoch too)              | `fit`, `train_epoch` (raw/limits.py)  |
-| ModelCheckpoint (best), EarlyStopping              | `save_best`, raw/early_stopping.py    |
-| RunState: last checkpoint, stop on a signal        | `save_last`, `check_stop`, `load`     |
+| ModelCheckpoint (best), EarlyStopping              | raw/checkpointing.py, early_stopping.py |
+| RunState: last checkpoint, stop on a signal        | `check_stop`, raw/checkpointing.py    |
 | RunState: ledger, hang watchdog, stragglers        | `fit`, `check_stop`, `outside_steps`  |
 | (paths, what a checkpoint carries: both trainers)  | engine/checkpoints/run.py             |
 | TensorBoardLogger, LearningRateMonitor             | `log_scalar`                          |
@@ -33,7 +33,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +43,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 from project.data.source import SPLITS
-from project.engine.checkpoints.state import atomic_save
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
@@ -55,6 +53,7 @@ from project.engine.distributed.exits import Preempted, close_process_group
 from project.engine.errors import UserError
 from project.engine.launch import env
 from project.engine.raw import limits
+from project.engine.raw.checkpointing import Checkpointing
 from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
 from project.engine.raw.rng import isolated_rng, seed_everything
@@ -85,7 +84,7 @@ class Step(nn.Module):
         return self.task.step(batch, metrics)
 
 
-class RawTrainer:
+class RawTrainer(Checkpointing):
     """One training run: set-up in __init__, then fit() and test(). Rank 0 logs and saves.
 
     project.raw_train runs it inside the run skeleton both trainers share
@@ -459,74 +458,6 @@ class RawTrainer:
         if done and self.is_zero:
             log.info(f"fit stopped: max_steps={self.max_steps} reached")
         return done
-
-    # --- checkpoints (paths and the template's entries: project.engine.checkpoints.run) -----
-    def save_last(self) -> None:
-        """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
-        self.outside_steps(ledgers.CHECKPOINT)  # the others wait while rank 0 writes
-        began, path = time.monotonic(), self.checkpoints.last
-        self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
-        if self.is_zero:
-            atomic_save(self.state_dict(), path)
-            log.info(f"Saved {path} at step {self.global_step}")
-        self.barrier()
-        self.checkpoints.prune_hook(self.comm_hook, self.global_step)
-        self.stop.mark_saved(self.global_step, time.monotonic() - began)
-
-    def save_best(self, metrics: dict[str, float]) -> None:
-        """After validation: best.pt when the monitored metric improved (strictly)."""
-        ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}
-        monitor = ckpt_cfg.get("monitor") or self.cfg.optimized_metric
-        mode = ckpt_cfg.get("mode") or self.cfg.optimized_mode
-        value = metrics.get(monitor)
-        improved = value is not None and (
-            self.best is None or (value < self.best if mode == "min" else value > self.best)
-        )
-        if improved:
-            self.best = value
-        if self.is_zero and ckpt_cfg and improved:
-            atomic_save(self.state_dict(), self.checkpoints.best)
-
-    def state_dict(self) -> dict[str, Any]:
-        accumulate = int(self.cfg.trainer.get("accumulate_grad_batches") or 1)
-        entries = self.checkpoints.entries(self.loaders["train"], self.epoch, self.batch_in_epoch,
-                                           self.world, accumulate)  # fmt: skip
-        return entries | {
-            "model": self.task.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch,  # the epoch to run (or continue)
-            "batch_in_epoch": self.batch_in_epoch,  # its batches already trained on
-            "global_step": self.global_step,
-            "best": self.best,
-            "early_stopping": {"best": self.early.best, "wait": self.early.wait},
-            "config": to_plain(self.cfg),
-        }
-
-    def load(self, path: str | Path, weights_only: bool = False) -> None:
-        """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
-        # a resume's load is a failure's cost (goodput); the weights to test are not
-        nothing = contextlib.nullcontext()
-        with nothing if weights_only else self.ledger.during(ledgers.RELOAD):
-            state = torch.load(path, map_location=self.device, weights_only=True)
-        self.task.load_state_dict(state["model"])
-        if weights_only:
-            return
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler and state["scheduler"]:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.global_step = state["epoch"], state["global_step"]
-        self.best = state["best"]
-        self.position = elastic.Position.of(state.get(elastic.KEY))
-        self.early.best = state["early_stopping"]["best"]
-        self.early.wait = state["early_stopping"]["wait"]
-        self.checkpoints.restore_rng(self.checkpoints.rng_of(state))  # continue the streams
-        self.checkpoints.load_hook(self.comm_hook, Path(path), self.global_step, self.device)
-        self.resumed = True
-        log.info(f"Resumed from {path}: epoch {self.epoch}, step {self.global_step}")
 
     def close(self) -> None:
         self.source.teardown()  # e.g. a remote stream's shard cache (Lightning: at fit's end)
