@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
-from project.engine.data import elastic
+from project.engine.data import elastic, sharding
 from project.engine.data.sharding import drop_incomplete_steps, set_epoch, shard_loader
 from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
@@ -172,6 +172,27 @@ def test_drop_last_drops_the_incomplete_global_batch_on_any_world_size(shape: st
     set_epoch(first, 0)
     saved = elastic.Position.of(elastic.record(first, 0, 4, 2, 1, config(20), {}))
     assert epoch_steps(1, 2, 20, shape, resume=saved) == whole[4:]
+
+
+@pytest.mark.quick
+def test_drop_last_says_what_accumulation_drops_and_refuses_an_epoch_without_a_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With accumulation the incomplete last window is dropped too: one warning with the
+    samples an epoch loses; a step larger than the epoch would train nothing: one line."""
+    loader = dropping(2, 0, 20, "plain")  # 500 rows, 2 processes of 20: steps of 40 x a
+    sharding.log.addHandler(caplog.handler)  # the project's loggers need not propagate
+    try:
+        sharding._warned.discard("drop_last")
+        drop_incomplete_steps(loader, 1, 2)  # what the DataLoader dropped already: no line
+        assert "drop_last" not in caplog.text
+        drop_incomplete_steps(loader, 5, 2)  # steps of 200: 400 of 500 kept (480 by the loader)
+    finally:
+        sharding.log.removeHandler(caplog.handler)
+    assert "100 of 500 samples an epoch are not trained on (20 without accumulation)" in (
+        caplog.text)  # fmt: skip
+    with pytest.raises(UserError, match=r"drop_last: the epoch has 500 samples, less than one"):
+        drop_incomplete_steps(loader, 16, 2)  # one step is 640 samples
 
 
 # --- real processes: stopped on one world size, continued on another ---------------------------

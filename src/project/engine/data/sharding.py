@@ -328,20 +328,41 @@ def drop_incomplete_steps(loaders: Any, accumulate: int, world: int) -> None:
     """A train loader with drop_last drops its epoch's incomplete optimizer step, not each
     rank's incomplete micro-batch: its epoch ends at the last whole global batch (batch x
     accumulate x world positions), so it has the same steps on any world size that keeps the
-    global batch (a batch sampler's own batches are kept as they are)."""
+    global batch (a batch sampler's own batches are kept as they are). Without accumulation
+    that is what the DataLoader dropped already; with it, the epoch's last partial window is
+    dropped too (one warning with the numbers); an epoch without one whole step is refused."""
     for loader in flat(loaders):
         order = _order(loader)
         if not getattr(loader, "drop_last", False) or not isinstance(order, SkipInEpoch) or (
                 isinstance(order, ShardedBatches)):  # fmt: skip
             continue
-        order.whole = units_per_batch(loader) * accumulate * world
-        if "drop_last" not in _warned:
-            _warned.add("drop_last")
-            log.info(
-                f"drop_last: every epoch ends at its last whole optimizer step of {order.whole} "
-                f"samples ({units_per_batch(loader)} x {accumulate} accumulated x {world} "
-                "process(es)), the same steps on any world size"
+        size = units_per_batch(loader)
+        order.whole = whole = size * accumulate * world
+        total = _epoch_total(order)
+        if total is None:
+            continue
+        if total < whole:
+            raise UserError(
+                f"drop_last: the epoch has {total} samples, less than one optimizer step of "
+                f"{whole} ({size} x {accumulate} accumulated x {world} process(es)): it would "
+                "train nothing; lower trainer.accumulate_grad_batches or the batch size, or "
+                "set drop_last=False"
             )
+        kept, loader_kept = total // whole * whole, total // (size * world) * size * world
+        if kept < loader_kept:
+            _warn_once("drop_last", f"drop_last: every epoch ends at its last whole optimizer "
+                       f"step of {whole} samples ({size} x {accumulate} accumulated x {world} "
+                       f"process(es)), the same steps on any world size: {total - kept} of "
+                       f"{total} samples an epoch are not trained on ({total - loader_kept} "
+                       "without accumulation)")  # fmt: skip
+
+
+def _epoch_total(order: Any) -> int | None:
+    """The positions of an epoch of `order` (a template sampler or stream), if known."""
+    total = getattr(order, "total", None)
+    if total is None and hasattr(order, "dataset"):
+        total = len(order.dataset)
+    return total
 
 
 def epoch_start(loader: Any, epoch: int) -> int:
