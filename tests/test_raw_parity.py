@@ -99,10 +99,13 @@ def test_max_steps_ends_both_trainers_after_the_same_optimizer_step(
     """`+trainer.max_steps` counts optimizer steps (windows of 2 batches here, 10 an epoch).
     3 ends the first epoch before any validation; 13 ends the second after 3 of its 10 steps:
     that cut epoch is not validated and steps no epoch scheduler, as in Lightning. The same
-    losses, bitwise, and the same metrics in both trainers."""
+    losses, bitwise, and the same metrics in both trainers. Early stopping checks after each
+    validation (the raw trainer's rule; Lightning's default would fail at the first epoch's
+    end on the missing val/loss)."""
     args = [*base_args, "step_stats=true", f"+trainer.max_steps={max_steps}",
             "trainer.accumulate_grad_batches=2", "model/scheduler=step",
-            "model.scheduler.step_size=1"]  # fmt: skip
+            "model.scheduler.step_size=1",
+            "callbacks.early_stopping.check_on_train_epoch_end=false"]  # fmt: skip
     runs = {"project.train": tmp_path / "lightning", "project.raw_train": tmp_path / "raw"}
     losses = [run_trainer(module, args, run_dir)["losses"] for module, run_dir in runs.items()]
     assert len(losses[0]) == 2 * max_steps and losses[0] == losses[1]
