@@ -315,11 +315,11 @@ def test_the_step_deadline_waits_for_three_of_the_slowest_recent_steps(monkeypat
         time.sleep(0.04)
         ledger.mark(ledgers.OPTIMIZER, step)
     ledger.window_start()
-    assert 0.04 <= ledger.window_s < 0.2
+    assert 0.04 <= ledger.window_s < 1.0  # bounds a loaded 2-core machine keeps
     ledger.mark(ledgers.VALIDATION, 3)
-    time.sleep(0.3)
+    time.sleep(1.0)
     ledger.window_start()
-    assert ledger.window_s < 0.2  # the validation was not counted as a step
+    assert ledger.window_s < 1.0  # the validation was not counted as a step
     set_to: list[float] = []
     monkeypatch.setattr(ddp, "set_collective_timeout", lambda t: set_to.append(t.seconds))
     timeouts = ddp.CollectiveTimeout(5, None, world_size=2)
@@ -419,7 +419,6 @@ def test_ranks_in_no_collective_are_busy_in_their_code_not_a_stalled_transport(t
     assert "the transport stalled" not in text and "does not match" not in text
 
 
-@pytest.mark.quick
 def test_a_workers_stack_is_read_from_outside(tmp_path) -> None:
     """A process forked from a fork server that loaded worker_stacks (as every DataLoader
     worker of the template is) dumps its stacks on request: the innermost user frame."""
