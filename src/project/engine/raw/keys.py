@@ -108,11 +108,13 @@ def classify(key: str) -> str | None:
 
 def leaf_keys(node: Any, prefix: str = "") -> list[str]:
     """The dotted keys of a config's leaves (a list is one leaf; interpolations unresolved)."""
-    if not OmegaConf.is_dict(node) or node._is_none():
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=False)
+    if not isinstance(node, dict):
         return [prefix[:-1]]
     keys = []
-    for key in node:
-        keys += leaf_keys(node._get_node(key), f"{prefix}{key}.")
+    for key, value in node.items():
+        keys += leaf_keys(value, f"{prefix}{key}.")
     return keys  # an empty group (callbacks=none) configures nothing
 
 
