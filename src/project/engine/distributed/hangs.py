@@ -48,6 +48,7 @@ from project.engine.distributed.ledger import Ledger, Record
 from project.engine.private_api import collective_counter, flight_recorder, pause_child_observer
 
 FOLDER = "hang"
+THREAD = "hang-watchdog"  # the watchdog thread's name
 GATHER_S = 10.0  # how long rank 0 waits for the other ranks' reports
 # A rank that cannot report (stuck in C code that holds the GIL) is ended this long after its
 # deadline: within the others' wait for its report, which then shows where it was stuck.
@@ -82,7 +83,7 @@ class Watchdog:
         self.kill_children, self.on_end = kill_children, on_end
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name=THREAD, daemon=True)
         self._arming = threading.Lock()
         self._stacks: Any = sys.stderr  # where the backstop writes the stacks (_backstop)
 

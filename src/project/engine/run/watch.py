@@ -61,7 +61,8 @@ def start(
                 closing.join(5)
 
         def deadline() -> float:
-            long_work.excuse_workers(ledger)  # a worker downloading a shard: the long one
+            if threading.current_thread().name == hangs.THREAD:  # not the training thread's
+                long_work.excuse_workers(ledger)  # a worker downloading a shard: the long one
             return timeouts.deadline()
 
         watchdog = Watchdog(ledger, deadline, run.output_dir, kill_children, on_end)
