@@ -419,30 +419,36 @@ def test_ranks_in_no_collective_are_busy_in_their_code_not_a_stalled_transport(t
     assert "the transport stalled" not in text and "does not match" not in text
 
 
-def test_a_workers_stack_is_read_from_outside(tmp_path) -> None:
+# Run in a process of its own: a fork server already started by this pytest process (another
+# test's DataLoader workers) would ignore the preload, and the worker could not dump.
+WORKER_STACKS = """
+import multiprocessing
+from project.engine.distributed import worker_stacks
+from tests.helpers import block_forever
+context = multiprocessing.get_context("forkserver")
+context.set_forkserver_preload(["project.engine.distributed.worker_stacks", "tests.helpers"])
+worker = context.Process(target=block_forever)
+worker.start()
+try:
+    for _ in range(100):  # until it runs the target (it imports first)
+        dumps = worker_stacks.collect(seconds=0.5)
+        if any("block_forever" in text for text in dumps.values()):
+            break
+    print(worker_stacks.innermost(dumps[worker.pid]) if worker.pid in dumps else dumps)
+finally:
+    worker.kill()
+    worker.join()
+"""
+
+
+def test_a_workers_stack_is_read_from_outside() -> None:
     """A process forked from a fork server that loaded worker_stacks (as every DataLoader
     worker of the template is) dumps its stacks on request: the innermost user frame."""
-    import multiprocessing
-
-    from project.engine.distributed import worker_stacks
-    from tests.helpers import block_forever
-
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["project.engine.distributed.worker_stacks", "tests.helpers"])
-    worker = context.Process(target=block_forever)
-    worker.start()
-    try:
-        dumps: dict[int, str] = {}
-        for _ in range(100):  # until it runs the target (it imports first)
-            dumps = worker_stacks.collect(seconds=0.5)
-            if any("block_forever" in text for text in dumps.values()):
-                break
-        assert worker.pid in dumps, dumps
-        assert worker_stacks.innermost(dumps[worker.pid]).startswith("tests/helpers.py:")
-        assert worker_stacks.innermost(dumps[worker.pid]).endswith(" block_forever")
-    finally:
-        worker.kill()
-        worker.join()
+    proc = subprocess.run([sys.executable, "-c", WORKER_STACKS], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    innermost = proc.stdout.strip().splitlines()[-1]
+    assert innermost.startswith("tests/helpers.py:") and innermost.endswith(" block_forever")
 
 
 def watched(monkeypatch) -> tuple[ledgers.Ledger, object]:
