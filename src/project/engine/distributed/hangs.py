@@ -203,8 +203,9 @@ class Watchdog:
 # What gloo and NCCL say when the other side of a collective is gone or stopped answering
 # (torch 2.13's texts; tests/test_hang_exit.py makes gloo's for real). Not any "timed out": a
 # user's DataLoader(timeout=...) or download says that too, and is their own error.
+PEER_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")  # torch.distributed's
 PEER_GONE = re.compile(
-    r"Connection (?:closed|reset) by peer|Broken pipe"  # its socket closed (gloo, the store)
+    r"Connection (?:closed|reset) by peer|Connection refused|Broken pipe"  # a socket closed
     r"|Timed out waiting \d+ms for (?:send|recv) operation"  # gloo's collective timeout
     r"|Application timeout caused pair closure"  # gloo, after such a timeout
     r"|NCCL communicator was aborted|Watchdog caught collective operation timeout"
@@ -213,7 +214,7 @@ PEER_GONE = re.compile(
 
 def is_peer_failure(err: BaseException) -> bool:
     """gloo/NCCL errors that mean "the other side is gone", not a bug in this process."""
-    return type(err).__name__ == "DistBackendError" or PEER_GONE.search(str(err)) is not None
+    return type(err).__name__ in PEER_ERRORS or PEER_GONE.search(str(err)) is not None
 
 
 def report_peer_failure(err: BaseException) -> None:
