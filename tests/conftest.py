@@ -21,6 +21,7 @@ from tests.helpers import (
     job_processes,
     kill_job,
     run_launch,
+    s3_server,
 )
 
 
@@ -30,6 +31,33 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from project.data.digits import materialise
 
     return materialise(tmp_path_factory.mktemp("data") / "digits")
+
+
+@pytest.fixture(scope="session")
+def s3_server_env() -> Iterator[dict[str, str]]:
+    """One real S3 server (moto) for the session; its AWS environment (tests/helpers.py)."""
+    with s3_server() as env:
+        yield env
+
+
+@pytest.fixture
+def s3(s3_server_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An empty bucket of its own on the session's S3 server: yields its URL (`s3://<name>`).
+    The AWS environment is set in this process (s3fs, boto3) and so in every child the test
+    starts (tests/helpers.py's child_env copies os.environ)."""
+    import uuid
+
+    import fsspec
+
+    for key, value in s3_server_env.items():
+        monkeypatch.setenv(key, value)
+    fsspec.filesystem("s3").clear_instance_cache()  # no client of another test's environment
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}"
+    with contextlib.suppress(OSError):
+        fs.rm(bucket, recursive=True)
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,42 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[dict[str, str]]:
+    """A real S3 server (moto's, `moto[server]` in the dev extras) on 127.0.0.1 at a free port,
+    for as long as the block runs; yields the standard AWS environment that points boto3, s3fs
+    and every child process at it (AWS_ENDPOINT_URL, test keys, a region)."""
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):  # it answers in ~1.5 s here
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto's S3 server exited with {proc.returncode}")
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"moto's S3 server did not answer at {url} within 30 s")
+        yield {"AWS_ENDPOINT_URL": url, **S3_KEYS}
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def group_alive(pgid: int) -> bool:
