@@ -101,6 +101,10 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         """Shard `shard`'s elements, indexable 0..lengths[shard]-1."""
         raise NotImplementedError
 
+    def ahead(self, shards: list[int]) -> None:
+        """Called as each iterator starts, with the shards it will read in the order it first
+        reads them: a remote source fetches them ahead of use. Default: nothing."""
+
     # --- set by the machinery ----------------------------------------------------------------
     def shard(self, world: int, rank: int, batch_size: int, seed: int, pad: bool) -> None:
         """Read rank `rank` of `world`'s part, in batches of `batch_size`; `pad` (training):
@@ -143,6 +147,21 @@ class ShardedStream(SkipInEpoch, IterableDataset):
             self.lengths[shard]
         )
 
+    def shards_of(self, rank: int, start: int = 0) -> list[int]:
+        """The shards rank `rank` (of this stream's world) reads this epoch from global position
+        `start` on, in the order it first reads them (what a node's cache keeps: the union over
+        its ranks)."""
+        block = self.positions(start)
+        mine = np.arange(block.start - self.rank + rank, block.stop - self.rank + rank, self.world)
+        return self._shards_at(mine)
+
+    def _shards_at(self, positions: np.ndarray) -> list[int]:
+        """The shards holding global `positions`, in the order they first appear."""
+        order, starts = self._orders()
+        ks = np.searchsorted(starts, positions % self.total, side="right") - 1
+        _, first = np.unique(ks, return_index=True)
+        return [int(order[k]) for k in ks[np.sort(first)]]
+
     def _positions(self) -> Iterator[int]:
         """This worker's positions: its batches (b % workers == worker) of the rank's
         positions from where the epoch starts."""
@@ -155,7 +174,9 @@ class ShardedStream(SkipInEpoch, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         order, starts = self._orders()
         current, elements, within = -1, None, None
-        for p in self._positions():
+        mine = list(self._positions())
+        self.ahead(self._shards_at(np.asarray(mine, dtype=np.int64)) if mine else [])
+        for p in mine:
             k = bisect.bisect_right(starts, p % self.total) - 1
             if k != current:  # positions rise, so the shards are read one at a time
                 current, shard = k, int(order[k])
