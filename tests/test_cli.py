@@ -82,9 +82,33 @@ def test_unknown_group_option() -> None:
     assert_one_line_error(proc, "model/nope", "cnn", "mlp")
 
 
-def test_misspelt_key() -> None:
-    proc = run_script("train.py", ["trainer.max_epoch=3"])
-    assert_one_line_error(proc, "trainer.max_epoch")
+@pytest.mark.parametrize(
+    "override, hint",
+    [("trainer.max_epoch=3", "did you mean `trainer.max_epochs`?"),
+     ("+trainer.max_epoch=3", "did you mean `trainer.max_epochs`?"),
+     ("callbacks.early_stoping=null", "did you mean `callbacks.early_stopping`?"),
+     ("+callbacks.early_stoping=null", "did you mean `callbacks.early_stopping`?"),
+     ("model.optimizer.lrr=0.1", "did you mean `model.optimizer.lr`?"),
+     ("+trainer.foo=1", "drop it")],
+)  # fmt: skip
+def test_a_misspelt_or_unread_key_is_one_line_with_the_close_match(
+    override: str, hint: str, log_dir
+) -> None:
+    """Hydra's own advice for these is `+key` (a Trainer error seconds later, or a callback
+    entry nobody reads: exit 0 with early stopping still on)."""
+    proc = run_script("train.py", [override, f"paths.log_dir={log_dir}"])
+    assert_one_line_error(proc, override.lstrip("+").split("=")[0], hint)
+    assert "+" not in proc.stderr  # no advice to add the key
+
+
+def test_the_trainer_arguments_checked_are_lightnings() -> None:
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    from project.engine.config.typos import TRAINER_ARGS
+
+    assert set(inspect.signature(Trainer.__init__).parameters) - {"self"} == TRAINER_ARGS
 
 
 def test_unwritable_data_dir(tmp_path, log_dir) -> None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from project.engine.config import typos
 from project.engine.config.compose import CONFIG_DIR, register_resolvers, run_id
 from project.engine.config.schema import check_schema
 from project.engine.distributed.exits import fail
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = compose(overrides)
             check_schema(cfg)
         except Exception as err:  # config errors (unknown option, misspelt key, type): one line
-            fail(str(err))
+            fail(typos.misspelt_override(err) or str(err))
         devices = cfg.trainer.devices
         nproc = 1 if devices in ("auto", None) else int(devices)
         if cfg.trainer.num_nodes not in ("auto", None, 1):

@@ -22,6 +22,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from project.engine.config.typos import check_added_keys
 from project.engine.errors import UserError
 
 # What Lightning accepts for `precision` (its lightning.fabric.connector._PRECISION_INPUT).
@@ -157,8 +158,8 @@ def out_of_range(value: Any, meta: Any) -> bool:
 
 
 def check_schema(cfg: DictConfig) -> None:
-    """Every typed key of the composed config has a value of its type and range: else one line
-    naming the key, the value and what it takes."""
+    """Every typed key of the composed config has a value of its type and range, and no key
+    added to `trainer` or `callbacks` goes unread: else one line naming the key and the fix."""
     for key, (schema, _) in SCHEMAS.items():
         node = OmegaConf.select(cfg, key) if key else cfg
         if not isinstance(node, DictConfig):
@@ -174,6 +175,7 @@ def check_schema(cfg: DictConfig) -> None:
                 ]
                 expected = describe(hints[f.name]) + (f" ({', '.join(limits)})" if limits else "")
                 raise UserError(f"{dotted}={value!r}: expected {expected}")
+    check_added_keys(cfg)
 
 
 def json_type(kind: Any, meta: dict[str, Any]) -> dict[str, Any]:
