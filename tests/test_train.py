@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,27 @@ def test_lightning_launcher_ddp_two_cpu_processes(base_args, log_dir) -> None:
     log_file = (runs[0] / "train.log").read_text()
     assert log_file.count("Metrics:") == 1
     assert sorted(p.name for p in runs[0].glob("*.log")) == ["config_tree.log", "train.log"]
+
+
+def test_a_run_early_stopping_ends_says_why_in_both_trainers(base_args, log_dir) -> None:
+    """Early stopping ending a 30-epoch run after 2 says so in one line naming the metric, its
+    best value and the patience (Lightning said nothing), the same line in both trainers; the
+    final metrics line shows a small learning rate as it is (it read lr-AdamW=0.0000)."""
+    args = [*base_args, "trainer.max_epochs=30", "trainer.limit_train_batches=5", "test=false",
+            "callbacks.early_stopping.patience=1", "callbacks.early_stopping.min_delta=0.5",
+            "model.optimizer.lr=0.00002"]  # fmt: skip
+    lines = []
+    for module in ("project.train", "project.raw_train"):
+        proc = run_script(f"-m {module}", args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said = [ln.split(" - ", 1)[1] for ln in proc.stdout.splitlines() if "Early stopping" in ln]
+        assert len(said) == 1, proc.stdout[-3000:]
+        lines.append(said[0])
+        if module == "project.train":
+            assert re.search(r"lr-AdamW=[0-9.]+e-05\b", proc.stdout), proc.stdout[-1000:]
+    assert lines[0] == lines[1]
+    assert re.fullmatch(
+        r"Early stopping after epoch 1: val/loss did not improve for 1 validation checks in a "
+        r"row \(best [0-9.]+\); callbacks.early_stopping=null trains on",
+        lines[0],
+    ), lines[0]

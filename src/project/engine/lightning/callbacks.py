@@ -22,7 +22,7 @@ from project.engine.distributed.ddp import CollectiveTimeout
 from project.engine.distributed.ledger import Ledger
 from project.engine.lightning.datamodule import batches_done, fit_epoch
 from project.engine.private_api import kill_launched_ranks, skip_sigterm_broadcast
-from project.engine.run import watch
+from project.engine.run import console, watch
 from project.engine.shared.step_stats import StepStats
 
 if TYPE_CHECKING:
@@ -184,10 +184,24 @@ class RunState(pl.Callback):
         if self.checkpoints.saves_at_end():
             self.save(trainer)
         watch.end(self.watch, trainer.global_step, log_to(trainer))
+        for early in trainer.early_stopping_callbacks:  # Lightning says it only when verbose
+            if early.stopped_epoch and trainer.is_global_zero:
+                log.info(stopped_early(early))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         hangs.report_peer_failure(exception)  # a dead peer: the report (it never returns)
         self.stop.restore()
+
+
+def stopped_early(early: pl.callbacks.EarlyStopping) -> str:
+    """Why EarlyStopping ended the run: patience (the line both trainers print), or its own
+    reason (a threshold, a metric that is not finite)."""
+    from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
+
+    if early.stopping_reason != EarlyStoppingReason.PATIENCE_EXHAUSTED:
+        return f"Early stopping after epoch {early.stopped_epoch}: {early.stopping_reason_message}"
+    best = early.best_score.item() if early.best_score.isfinite() else None
+    return console.stopped_early(early.monitor, best, early.patience, early.stopped_epoch)
 
 
 def log_to(trainer: pl.Trainer) -> watch.LogMetrics | None:

@@ -57,7 +57,7 @@ from project.engine.raw.checkpointing import Checkpointing
 from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
 from project.engine.raw.rng import isolated_rng, seed_everything
-from project.engine.run import watch
+from project.engine.run import console, watch
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.engine.shared.step_stats import StepStats
@@ -435,7 +435,8 @@ class RawTrainer(Checkpointing):
                 if self.steps_done():  # before an epoch-end save: the finished one follows
                     break
                 if stop and epoch + 1 >= int(t.min_epochs or 0):
-                    log.info(f"Early stopping after epoch {epoch}")
+                    log.info(console.stopped_early(self.early.cfg.monitor, self.early.best,
+                                                   self.early.cfg.patience, epoch))  # fmt: skip
                     break
                 if self.checkpoints.periodic and not limits.reached(max_epochs, epoch + 1):
                     self.save_last()  # every epoch end (the last one is saved as finished)

@@ -74,3 +74,12 @@ def print_config_tree(
     if save_to is not None:
         with open(save_to, "w") as f:
             rich.print(tree, file=f)
+
+
+def stopped_early(monitor: str, best: float | None, patience: int, epoch: int) -> str:
+    """The line that says why a run ended before its max_epochs (both trainers print it)."""
+    shown = "none" if best is None else f"{float(best):.5g}"
+    return (
+        f"Early stopping after epoch {epoch}: {monitor} did not improve for {patience} "
+        f"validation checks in a row (best {shown}); callbacks.early_stopping=null trains on"
+    )

@@ -26,7 +26,8 @@ def write_metrics(run_dir: Path, metrics: Mapping[str, float]) -> None:
 
 
 def log_metrics(metrics: Mapping[str, float]) -> None:
-    log.info("Metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+    # .5g: a learning rate of 8.2e-06 reads as that, not 0.0000
+    log.info("Metrics: " + ", ".join(f"{k}={v:.5g}" for k, v in sorted(metrics.items())))
 
 
 def read_metrics(run_dir: Path) -> dict[str, float]:
