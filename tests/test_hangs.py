@@ -54,7 +54,8 @@ def ended(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
 
 def screen(out: str) -> str:
     """The hang report as printed (from its first line to its exit line)."""
-    found = re.search(r"hang report:.*?exit \d+; how to read this: \S+", out, re.S)
+    until = r"exit \d+; how to read this: \S+(\n  next: [^\n]*)?"  # its last line, if any
+    found = re.search(r"hang report:.*?" + until, out, re.S)
     assert found, out[-3000:]
     return found[0]
 
@@ -70,6 +71,9 @@ def test_a_hung_rank_is_named_with_its_frame_and_the_job_ends(base_args, log_dir
     assert code == EXIT_HUNG, out[-3000:]
     report = screen(out)
     assert len(report.splitlines()) <= 30
+    # It ends with what to do next: the command that resumes this run, or a longer timeout.
+    nxt = re.search(r"next: resume with RUN_ID=hang (.*); steps that are legitimately", out)
+    assert nxt and ("project.launcher" in nxt[1] or "train.py" in nxt[1]), out[-3000:]
     rank1 = next(line for line in report.splitlines() if line.strip().startswith("rank 1 "))
     assert "step 15" in rank1 and "faults.py" in rank1 and "maybe_fail" in rank1, report
     waited = re.search(r"rank 1 never issued collective #(\d+) \(all_reduce \[\d+\]\)", report)

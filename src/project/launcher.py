@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -43,8 +44,10 @@ from project.engine.distributed.exits import (
     EXIT_OK,
     EXIT_PREEMPTED,
     NO_RESTART,
+    recorded_resume,
     worker_exits,
 )
+from project.engine.launch.env import COMMAND_ENV
 from project.engine.private_api import (
     exit_barrier_on_live_peers,
     restart_only_crashes,
@@ -78,20 +81,21 @@ def _failure_line(failures: dict[int, Any]) -> str:
     )
 
 
-def _signalled(signum: int, codes: dict[int, int]) -> int:
+def _signalled(signum: int, folder: str) -> int:
     import signal
 
-    name = signal.Signals(signum).name
+    name, codes = signal.Signals(signum).name, worker_exits(folder)
     if codes and all(c == 0 for c in codes.values()):
         print(f"launcher: {name} arrived after training had finished: exit 0", file=sys.stderr)
         return 0
-    if any(c == EXIT_PREEMPTED for c in codes.values()):
-        print(f"launcher: stopped by {name}; the workers saved last.ckpt: run the same "
-              f"command again to resume (exit {EXIT_PREEMPTED})", file=sys.stderr)  # fmt: skip
-    else:
-        print(f"launcher: stopped by {name} before the workers saved a checkpoint: a rerun "
-              f"resumes from the last one written earlier (exit {EXIT_PREEMPTED})",
-              file=sys.stderr)  # fmt: skip
+    resume = recorded_resume(folder) or "the same command, with the run's RUN_ID"
+    saved = (
+        "the workers saved last.ckpt"
+        if any(c == EXIT_PREEMPTED for c in codes.values())
+        else "before the workers saved a checkpoint (it resumes from the last one written)"
+    )
+    print(f"launcher: stopped by {name}, {saved}; resume with: {resume}   "
+          f"(exit {EXIT_PREEMPTED})", file=sys.stderr)  # fmt: skip
     return EXIT_PREEMPTED
 
 
@@ -124,12 +128,15 @@ def launch(argv: list[str]) -> int:
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
     folder = tempfile.mkdtemp(prefix="project-exit-")
     os.environ[EXIT_DIR_ENV] = folder  # the workers inherit it
+    # What the stop line and the hang report print after `RUN_ID=<id>` (the launch scripts
+    # set the command as typed; a worker cannot see torchrun's arguments itself).
+    os.environ.setdefault(COMMAND_ENV, shlex.join(["python", *sys.orig_argv[1:]]))
     try:
         torchrun.run(args)
         return EXIT_OK
     except ChildFailedError as err:
         if state["signal"] is not None:
-            return _signalled(state["signal"], worker_exits(folder))
+            return _signalled(state["signal"], folder)
         # The first failure is the cause; the agent then stops the other workers (SIGTERM).
         first = min(err.failures.values(), key=lambda f: f.timestamp)
         if first.exitcode in (*NO_RESTART, EXIT_HUNG):  # the workers said why themselves
@@ -137,7 +144,7 @@ def launch(argv: list[str]) -> int:
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
         return EXIT_FAILED
     except mp_api.SignalException as err:
-        return _signalled(int(err.sigval), worker_exits(folder))
+        return _signalled(int(err.sigval), folder)
     except Exception as err:
         if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
             print(_rendezvous_line(err, args), file=sys.stderr, flush=True)

@@ -10,8 +10,8 @@ beside the trainer's own model, optimizer and scheduler state:
     data_position  where the train loader's epoch stands, for any world size (engine.data.elastic)
     comm hook      PowerSGD's per-rank state: one file per rank beside `last` (comm_hook_files)
 
-When `last` is written: on a stop signal always (a stop's "run the same command again to
-resume" is then true with or without callbacks.fault_tolerance); with fault tolerance on also
+When `last` is written: on a stop signal always (the stop's "resume with: RUN_ID=..." is
+then true with or without callbacks.fault_tolerance); with fault tolerance on also
 at every epoch end, at its cadences and when training ends (marked finished). A run folder
 that holds a `last` gets the finished one too, so a finished run is never trained again.
 """

@@ -4,9 +4,9 @@ and closing the process group.
 One exit code means one thing, for both trainers, eval, the doctor and `project.launcher`:
 0 finished, 1 anything else, 2 bad input (one line said why), 124 the ranks stopped making
 progress (a hang: the report in <run>/hang/ says where; `timeout`'s code), 143 stopped by a
-signal after saving the last checkpoint (run the same command again to resume). 143 is 128 +
-SIGTERM, what a process killed by SIGTERM reports, so schedulers treat it as "terminated", not
-"failed".
+signal after saving the last checkpoint (the stop prints `RUN_ID=<id> <command>`, which resumes
+it). 143 is 128 + SIGTERM, what a process killed by SIGTERM reports, so schedulers treat it as
+"terminated", not "failed".
 
 Only the standard library is imported at the top: `project.launcher` and every entry point
 import this module before anything heavy.
@@ -58,6 +58,9 @@ class Preempted(Exception):
         self.step, self.checkpoint = step, checkpoint  # None: nothing saved (fast_dev_run)
 
 
+RESUME_FILE = "resume"  # next to the workers' rank-<R> files
+
+
 @contextlib.contextmanager
 def report_exit() -> Iterator[None]:
     """Around a worker's main(): record its exit code for the launcher (when there is one).
@@ -80,6 +83,18 @@ def record_exit(code: int | str | None) -> None:
     folder = os.environ.get(EXIT_DIR_ENV)
     if folder and os.path.isdir(folder):
         Path(folder, f"rank-{rank()}").write_text(str(code))
+
+
+def record_resume(command: str) -> None:
+    """Tell the launcher the command that resumes this run (its stop line prints it)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, RESUME_FILE).write_text(command)
+
+
+def recorded_resume(folder: str) -> str | None:
+    path = Path(folder, RESUME_FILE)
+    return path.read_text() if path.is_file() else None
 
 
 def worker_exits(folder: str) -> dict[int, int]:

@@ -45,6 +45,7 @@ from project.engine.distributed import ledger as ledgers
 from project.engine.distributed import worker_stacks
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG, record_exit
 from project.engine.distributed.ledger import Ledger, Record
+from project.engine.launch.env import resume_command
 from project.engine.private_api import collective_counter, flight_recorder, pause_child_observer
 
 FOLDER = "hang"
@@ -361,9 +362,12 @@ def screen(folder: Path, world: int, reason: str, code: int, since: float = 0.0)
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
                      + "  " + row[-1])  # fmt: skip
     lines += verdict(rows)
+    lines = lines[:27]
     lines.append(f"  every rank's stacks and last collectives: {folder}/rank-<R>.txt")
     lines.append(f"  exit {code}; how to read this: {DOCS}")
-    return lines[:30]
+    slow = "; steps that are legitimately this long: raise strategy.step_timeout_s"
+    lines.append(f"  next: resume with {resume_command()}{slow if code == EXIT_HUNG else ''}")
+    return lines
 
 
 def _row(report: dict[str, Any] | None, record: Record | None, crash: Path) -> dict[str, Any]:

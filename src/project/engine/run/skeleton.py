@@ -26,10 +26,15 @@ from omegaconf import DictConfig
 from project.engine.config.compose import check_targets, to_plain
 from project.engine.config.schema import check_schema
 from project.engine.data.worker_start import configure_worker_start
-from project.engine.distributed.exits import EXIT_PREEMPTED, Preempted, close_process_group
+from project.engine.distributed.exits import (
+    EXIT_PREEMPTED,
+    Preempted,
+    close_process_group,
+    record_resume,
+)
 from project.engine.distributed.ledger import Ledger
 from project.engine.errors import UserError
-from project.engine.launch.env import is_rank_zero
+from project.engine.launch.env import is_rank_zero, resume_command
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
 
 if TYPE_CHECKING:
@@ -209,6 +214,8 @@ def fit_and_test_then_stop(
     from project.engine.run import goodput, watch
 
     how = ledgers.ENDED_FAILED
+    if is_rank_zero():
+        record_resume(resume_command())  # for the launcher's line, should it be stopped
     try:
         with errors_reported():
             metrics = fit_and_test(run)
@@ -218,8 +225,8 @@ def fit_and_test_then_stop(
         if is_rank_zero():
             saved = f"{stop.checkpoint.name} is saved" if stop.checkpoint else "nothing saved"
             log.info(
-                f"Stopped by a signal at step {stop.step}; {saved}. Run the same command "
-                f"again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
+                f"Stopped by a signal at step {stop.step}; {saved}. Resume with: "
+                f"{resume_command()}   (exit {EXIT_PREEMPTED})"
             )
         close_process_group()  # every rank agreed to stop: the group is healthy
         sys.exit(EXIT_PREEMPTED)
