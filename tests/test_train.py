@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from project.train import train
-from tests.helpers import logged_metrics, read_scalars, run_script, step_losses
+from tests.helpers import (
+    assert_one_line_error,
+    logged_metrics,
+    read_scalars,
+    run_script,
+    step_losses,
+)
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -140,3 +146,20 @@ def test_a_run_early_stopping_ends_says_why_in_both_trainers(base_args, log_dir)
         r"row \(best [0-9.]+\); callbacks.early_stopping=null trains on",
         lines[0],
     ), lines[0]
+
+
+@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
+@pytest.mark.parametrize(
+    "override, torch_says, sizes",
+    [("model.net.in_features=32", "cannot be multiplied (64x64 and 32x256)", "in_features=32"),
+     ("model.task.num_classes=5", "Target", "out_features=5")],
+)  # fmt: skip
+def test_a_network_that_does_not_fit_the_data_is_one_line(
+    base_args, module, override, torch_says, sizes
+) -> None:
+    """A first layer narrower than the data, or fewer outputs than classes: one line naming
+    torch's shapes, the batch's and the network's sizes (it was a 113-line traceback)."""
+    args = [*base_args, override, "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
+    proc = run_script(f"-m {module}", args)
+    assert_one_line_error(proc, "the network does not fit the data", torch_says,
+                          "on a batch of [64, 64] float32, [64] int64", sizes)  # fmt: skip

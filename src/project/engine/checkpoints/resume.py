@@ -9,6 +9,7 @@ and its final fit metrics. A run folder is only continued by the same training
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,19 @@ def training_identity(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def interpolations(cfg: Any) -> dict[str, str]:
+    """{key: source} for each leaf of the unresolved `cfg` that is exactly `${source}`."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return {}
+    raw = flatten(OmegaConf.to_container(cfg, resolve=False))
+    return {
+        k: v[2:-1] for k, v in raw.items()
+        if isinstance(v, str) and re.fullmatch(r"\$\{[\w.]+\}", v)
+    }  # fmt: skip
+
+
 def saved_identity(ckpt: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
     """(identity, complete): what the checkpoint says it trained. Checkpoints written before
     the `project` entry existed still name their network (Lightning's hyper_parameters, the
@@ -56,12 +70,18 @@ def saved_identity(ckpt: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
 
 
 def check_resumable(
-    path: str | Path, ckpt: dict[str, Any], cfg: Mapping[str, Any], explicit: bool
+    path: str | Path,
+    ckpt: dict[str, Any],
+    cfg: Mapping[str, Any],
+    explicit: bool,
+    follows: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse (one line, naming the keys) a checkpoint trained with another config.
 
     Auto-resume (`explicit=False`) continues a run folder only with the same training
     (IDENTITY); an explicit ckpt_path may change anything but the network architecture.
+    `follows`: {key: the key it is interpolated from} (`interpolations`), to name the key the
+    user changed rather than one that followed it.
     """
     saved, complete = saved_identity(ckpt)
     if saved is None:
@@ -73,8 +93,21 @@ def check_resumable(
     diff = [k for k in keys if saved.get(k) != now.get(k)]
     if not diff:
         return
-    shown = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in diff[:4])
+    follows = follows or {}
+    shown = "; ".join(
+        f"{k}{f' (it follows {follows[k]})' if k in follows else ''}: {saved.get(k)!r} there, "
+        f"{now.get(k)!r} now" for k in diff[:4]
+    )  # fmt: skip
     more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+    if not explicit and all(k in follows for k in diff):
+        # A key the user changed (trainer.max_epochs) moved a key they never set (T_max):
+        # name theirs, and the way to keep the run's own value.
+        keep = " ".join(f"{k}={saved.get(k)!r}" for k in diff)
+        raise UserError(
+            f"the command changed {', '.join(sorted({follows[k] for k in diff}))}, and with "
+            f"it the run's {shown}{more}: add {keep} to continue this run as it was trained, "
+            "or use another RUN_ID for a new run (the folder is left as it is)"
+        )
     if explicit:
         raise UserError(
             f"ckpt_path={path} holds another network ({shown}{more}): pass the model "
@@ -102,7 +135,9 @@ class Resume:
     data_position: dict[str, Any] | None = None  # where its epoch stood (engine.data.elastic)
 
 
-def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
+def find_resume(
+    cfg: Mapping[str, Any], last: Path | None, kind: str, follows: Mapping[str, str] | None = None
+) -> Resume:
     """An explicit ckpt_path, else (auto_resume) the run folder's `last` checkpoint, checked.
 
     `kind` is the key every checkpoint of the trainer has ("state_dict": Lightning, "model":
@@ -122,7 +157,7 @@ def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
             f"{what} {path} is not a checkpoint of this trainer (it has no {kind!r}): give "
             f"{own}; each trainer resumes from its own"
         )
-    check_resumable(path, ckpt, cfg, explicit=bool(explicit))
+    check_resumable(path, ckpt, cfg, explicit=bool(explicit), follows=follows)
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
     return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"))

@@ -15,6 +15,7 @@ import this module before anything heavy.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 from collections.abc import Iterator
@@ -42,11 +43,27 @@ def one_line(message: str) -> str:
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Print one line naming the problem (and the fix) and exit with `code`."""
-    # One write (print writes the text and the newline apart): the lines of ranks failing at
-    # once reach a shared pipe whole, not run together.
-    sys.stderr.write(f"error: {one_line(message)}\n")
-    sys.stderr.flush()
+    line = f"error: {one_line(message)}\n"
+    if not _said_on_this_node(line):
+        # One write (print writes the text and the newline apart): the lines of ranks failing
+        # at once reach a shared pipe whole, not run together.
+        sys.stderr.write(line)
+        sys.stderr.flush()
     sys.exit(code)
+
+
+def _said_on_this_node(line: str) -> bool:
+    """Whether another worker of this node's launcher printed this very line already (bad
+    input fails every rank alike: the user reads it once, not once per rank)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    said = Path(folder, "said-" + hashlib.sha256(line.encode()).hexdigest()[:16])
+    try:
+        os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return True
+    return False
 
 
 class Preempted(Exception):

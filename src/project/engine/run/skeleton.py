@@ -124,7 +124,7 @@ def preflight(
 ) -> Run | dict[str, float]:
     """The run folder's last checkpoint and the targets, before anything is built: a bad
     checkpoint stops with one line, nothing written; a finished run returns its results."""
-    from project.engine.checkpoints.resume import find_resume, training_identity
+    from project.engine.checkpoints.resume import find_resume, interpolations, training_identity
     from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.data.elastic import asked
     from project.engine.distributed.ledger import flight_recorder_env
@@ -132,7 +132,7 @@ def preflight(
     plain = to_plain(cfg)
     checkpoints = RunCheckpoints(cfg, output_dir, entry.last_name, training_identity(plain),
                                  asked(plain))  # fmt: skip
-    resume = find_resume(plain, checkpoints.last, kind=entry.checkpoint_key)
+    resume = find_resume(plain, checkpoints.last, entry.checkpoint_key, interpolations(cfg))
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg, skip=entry.skip_targets)
