@@ -335,7 +335,7 @@ class RawTrainer(Checkpointing):
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
-            self.save_last()
+            self.save_last(say=stop)
         if stop:
             raise Preempted(self.global_step, self.checkpoints.last)
         self.ledger.mark(ledgers.STEP, self.global_step)
@@ -448,7 +448,7 @@ class RawTrainer(Checkpointing):
             self.stop.restore()
         self.checkpoints.finish(metrics)
         if self.checkpoints.saves_at_end() and not t.get("fast_dev_run"):
-            self.save_last()
+            self.save_last(say=True)
         watch.end(self.watch, self.global_step, self.log_metrics if self.writer else None)
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)

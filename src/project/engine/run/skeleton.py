@@ -111,8 +111,8 @@ def run(
     if relaunched:
         relaunch(cfg, entry, output_dir, topology, list(hydra_cfg.overrides.task))
         return read_metrics(output_dir)
+    prepare(found, entry)  # the config tree first: the resize's warnings read after it
     fit_world(found)
-    prepare(found, entry)
     metrics = fit_and_test_then_stop(found, fit_and_test)
     if is_rank_zero():
         write_metrics(output_dir, metrics)
@@ -167,7 +167,10 @@ def prepare(run: Run, entry: EntryPoint) -> None:
     ddp.check_options(run.cfg.get("strategy"), run.cfg.trainer, run.topology.world_size)
     if is_rank_zero():
         tree_log = run.output_dir / "config_tree.log"  # a resumed run keeps its first record
-        print_config_tree(run.cfg, TREE_ORDER, save_to=None if tree_log.exists() else tree_log)
+        if tree_log.exists():  # once per run, not on every restart (the file keeps it)
+            log.info(f"Config tree: {tree_log} (each attempt's config: {tree_log.parent}/.hydra)")
+        else:
+            print_config_tree(run.cfg, TREE_ORDER, save_to=tree_log)
         t = run.topology
         log.info(
             f"{entry.name} trainer: {t.devices} process(es) per node x {t.num_nodes} node(s), "
