@@ -266,3 +266,15 @@ def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None
     for noise in ("Traceback", "ChildFailedError", "exitcode", "will restart", "killed by"):
         assert noise not in out, out[-3000:]
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"not a checkpoint"
+
+
+def test_callbacks_changed_names_each_setting_and_only_those() -> None:
+    from project.engine.checkpoints.resume import callbacks_changed
+
+    run = {"early_stopping": {"monitor": "val/loss", "patience": 3}, "model_checkpoint": None}
+    assert callbacks_changed(run, dict(run)) is None
+    now = {"early_stopping": {"monitor": "val/loss", "patience": 5}, "model_checkpoint": {}}
+    line = callbacks_changed(run, now)
+    assert line is not None and "\n" not in line
+    assert "callbacks.early_stopping.patience: 3 then, 5 now" in line
+    assert "callbacks.model_checkpoint: off then, on now" in line and "monitor" not in line

@@ -192,3 +192,18 @@ def test_the_console_says_what_matters_once(data_dir, tmp_path) -> None:
     stopped = re.search(r"Stopped by a signal at step (\d+)", first.stdout)[1]
     assert saves == [("DEBUG", "20"), ("INFO", stopped), ("DEBUG", "40"), ("DEBUG", "60"),
                      ("INFO", "80")], saves  # each epoch's end, the stop, the end  # fmt: skip
+
+
+@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
+def test_a_resume_with_other_callbacks_says_so(base_args, module) -> None:
+    """Stopped with early stopping off, resumed by a command that left the `=null` out: it
+    stops early now, and one line says the callbacks are not the run's (it said nothing)."""
+    args = [*base_args, "trainer.max_epochs=3", "test=false"]
+    stop = ["callbacks.early_stopping=null", "fault_injection.at_step=5",
+            "fault_injection.mode=sigterm"]  # fmt: skip
+    first = run_script(f"-m {module}", [*args, *stop], RUN_ID="cb")
+    assert first.returncode == 143, first.stdout[-3000:] + first.stderr[-3000:]
+    again = run_script(f"-m {module}", [*args, "callbacks.early_stopping.patience=7"], RUN_ID="cb")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    said = [ln for ln in again.stdout.splitlines() if "callbacks differ" in ln]
+    assert len(said) == 1 and "callbacks.early_stopping: off then, on now" in said[0], said

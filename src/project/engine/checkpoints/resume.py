@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from project.engine.checkpoints.state import read_checkpoint
+from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
 
 # What a run trains: a checkpoint is only resumed by a config that agrees on these (dotted
@@ -125,6 +126,40 @@ def checkpoint_dir(cfg: Mapping[str, Any], output_dir: Path) -> Path:
     return Path(ckpt.get("dirpath") or output_dir / "checkpoints")
 
 
+# Callbacks that only show things: a resume may change them without a word.
+PRESENTATION = ("progress_bar", "model_summary", "lr_monitor")
+
+
+def callbacks_record(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The callbacks config a checkpoint records: {name: its settings, or None when off}."""
+    callbacks = to_plain(cfg.get("callbacks")) or {}
+    return {k: v for k, v in callbacks.items() if k not in PRESENTATION}
+
+
+def callbacks_changed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """One line naming the callbacks this attempt runs otherwise than the run did (early
+    stopping dropped or added, its patience changed ...), None when they agree."""
+    said = []
+    for name in sorted(set(saved) | set(now)):
+        before, after = saved.get(name), now.get(name)
+        if before == after:
+            continue
+        if before is None or after is None:
+            said.append(f"callbacks.{name}: {'off' if before is None else 'on'} then, "
+                        f"{'off' if after is None else 'on'} now")  # fmt: skip
+            continue
+        old, new = flatten(before), flatten(after)
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        said += [f"callbacks.{name}.{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in keys]
+    if not said:
+        return None
+    more = f" (+{len(said) - 4} more)" if len(said) > 4 else ""
+    return (
+        f"this attempt's callbacks differ from the run's so far: {'; '.join(said[:4])}{more} "
+        "(the command's own settings apply from here on)"
+    )
+
+
 @dataclass
 class Resume:
     """Where a run continues from: `path` (None: from scratch), and what the checkpoint says."""
@@ -133,6 +168,7 @@ class Resume:
     finished: bool = False  # auto-resume found a run that finished training
     metrics: dict[str, float] = field(default_factory=dict)  # its final fit metrics
     data_position: dict[str, Any] | None = None  # where its epoch stood (engine.data.elastic)
+    callbacks: dict[str, Any] | None = None  # the callbacks it ran with (None: not recorded)
 
 
 def find_resume(
@@ -160,4 +196,5 @@ def find_resume(
     check_resumable(path, ckpt, cfg, explicit=bool(explicit), follows=follows)
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
-    return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"))
+    return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"),
+                  state.get("callbacks"))  # fmt: skip

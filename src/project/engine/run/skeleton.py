@@ -144,11 +144,16 @@ def preflight(
 
 def fit_world(run: Run) -> None:
     """A resumed run on another world size keeps its global batch and its place in the epoch
-    (project.engine.data.elastic): the batch keys are set here, before anything is built."""
+    (project.engine.data.elastic): the batch keys are set here, before anything is built. A
+    resume with other callbacks than the run's says so."""
+    from project.engine.checkpoints.resume import callbacks_changed
     from project.engine.data.elastic import Position, fit_global_batch
 
     if run.resume.path is None or not run.fits:
         return
+    saved = run.resume.callbacks
+    if saved is not None and (changed := callbacks_changed(saved, run.checkpoints.callbacks)):
+        log.warning(changed)
     run.position = Position.of(run.resume.data_position)
     if run.position is None:
         log.warning(
