@@ -251,7 +251,7 @@ def test_the_screen_names_the_rank_behind_and_a_mismatch(tmp_path: Path) -> None
 
 
 @pytest.mark.quick
-def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path) -> None:
+def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path, monkeypatch) -> None:
     """The ledger file outlives its process: the screen says where a rank that left no
     report was (its step, phase, collectives issued) and that its process is gone."""
     import subprocess
@@ -270,6 +270,13 @@ def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path) -> None:
     )
     text = "\n".join(hangs.screen(folder, 2, "a collective failed", EXIT_FAILED))  # fmt: skip
     assert f"died (pid {record.pid} gone), issued #41" in text, text
+    # Titled as what it is, and what comes next: torchrun's restart while it has one.
+    assert text.startswith("hang report: rank 1 died: the job failed"), text
+    assert text.splitlines()[-1].startswith("  next: resume with RUN_ID="), text
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    text = "\n".join(hangs.screen(folder, 2, "a collective failed", EXIT_FAILED))  # fmt: skip
+    assert "next: torchrun restarts the job (restart 2 of 3)" in text.splitlines()[-1], text
 
 
 @pytest.mark.quick

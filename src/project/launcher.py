@@ -49,6 +49,7 @@ from project.engine.distributed.exits import (
 )
 from project.engine.launch.env import COMMAND_ENV
 from project.engine.private_api import (
+    announce_restarts,
     exit_barrier_on_live_peers,
     restart_only_crashes,
     signals_once,
@@ -99,8 +100,15 @@ def _signalled(signum: int, folder: str) -> int:
     return EXIT_PREEMPTED
 
 
-def _rendezvous_line(err: BaseException, args: Any) -> str:
+def _rendezvous_line(err: BaseException, args: Any, ran: bool) -> str:
     where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+    if ran:  # the nodes had met: what is gone is the store, with the node that hosted it
+        return (
+            f"error: the rendezvous store at {where} is gone ({type(err).__name__}): the node "
+            f"that hosted it (the agent at {where}) left, and the others cannot meet again "
+            "without it. Resume the run on the nodes left, with RDZV_ENDPOINT on one of them "
+            "(the most reliable: docs/elastic.md)"
+        )
     return (
         f"error: the rendezvous at {where} did not complete ({type(err).__name__}): not every "
         f"node joined (nnodes={args.nnodes}, this node: node rank {args.node_rank}). Likely "
@@ -112,17 +120,30 @@ def _rendezvous_line(err: BaseException, args: Any) -> str:
 
 def launch(argv: list[str]) -> int:
     """Run torchrun with `argv`; returns the job's exit code (see the module docstring)."""
+    # The store's C++ client prints its socket errors with 30-frame C++ stacks when a node
+    # leaves; the launcher says what happened in one line. Read once, as torch loads: the
+    # workers get the user's own setting back.
+    cpp_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level or "ERROR"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if cpp_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     args = torchrun.parse_args(argv)
     for name in EXTRA_SIGNALS:
         if name not in args.signals_to_handle:
             args.signals_to_handle += f",{name}"
-    state: dict[str, Any] = {"signal": None, "done": False}
+    state: dict[str, Any] = {"signal": None, "done": False, "ran": False}
     restart_only_crashes(LocalElasticAgent, NO_RESTART)
+
+    def restarting(line: str) -> None:
+        state["ran"] = True  # the nodes had met once: a rendezvous failing now lost its store
+        print(line, file=sys.stderr, flush=True)
+
+    announce_restarts(LocalElasticAgent, restarting)
     exit_barrier_on_live_peers(LocalElasticAgent)
     signals_once(mp_api, state)
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
@@ -147,7 +168,7 @@ def launch(argv: list[str]) -> int:
         return _signalled(int(err.sigval), folder)
     except Exception as err:
         if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
-            print(_rendezvous_line(err, args), file=sys.stderr, flush=True)
+            print(_rendezvous_line(err, args, state["ran"]), file=sys.stderr, flush=True)
             return EXIT_FAILED
         raise
     finally:
