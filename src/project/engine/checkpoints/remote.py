@@ -176,7 +176,7 @@ class RemoteLast:
         if self.manifest is None:
             return None
         names = [self.name, *(n for n in wanted if n in self.manifest["files"])]
-        copy = self.staging / f".{self.name}.fetched.json"  # what the staging folder holds
+        copy = self.fetched_record
         with locked(self.staging):
             held = json.loads(copy.read_text()) if copy.is_file() else {}
             if held.get("generation") != self.generation:
@@ -196,6 +196,16 @@ class RemoteLast:
         log.info(f"Fetched {join(self.url, self.name)} (step {self.manifest['step']}) into "
                  f"{self.staging}")  # fmt: skip
         return self.staging / self.name
+
+    @property
+    def fetched_record(self) -> Path:
+        """Which published files the staging folder holds (the node's ranks download once)."""
+        return self.staging / f".{self.name}.fetched.json"
+
+    def forget_fetched(self) -> None:
+        """Before a save overwrites the staged files: they are no longer the published ones
+        (a save cut before it is published must never be taken for them on a restart)."""
+        self.fetched_record.unlink(missing_ok=True)
 
     def upload(self, files: list[Path]) -> None:
         """This rank's part of the next save: its staged `files` under the next generation."""

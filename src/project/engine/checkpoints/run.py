@@ -252,6 +252,9 @@ class RunCheckpoints:
 
     # --- the comm hook's per-rank files (every rank calls these at the same point) -------------
     def save_hook(self, hook: CommHook | None, step: int) -> None:
+        """Every rank, first thing in a save of `last`: its hook state file."""
+        if self.remote is not None:  # the staged copies stop being the published ones
+            self.remote.forget_fetched()
         comm_hook_files.save_state(hook, self.last, step)
 
     def prune_hook(self, hook: CommHook | None, step: int) -> None:
