@@ -104,10 +104,9 @@ def probe(url: str, what: str) -> None:
         fs.pipe_file(marker, b"")
         fs.rm_file(marker)
     except Exception as err:
-        raise UserError(
-            f"{what}={url} is not writable ({short(err)}): {credentials} and that they may "
-            "write there"
-        ) from None
+        fix = f"{credentials} and that they may write there" if bucket else (
+            "check that it is a folder this user may write to")  # fmt: skip
+        raise UserError(f"{what}={url} is not writable ({short(err)}): {fix}") from None
 
 
 @contextlib.contextmanager
