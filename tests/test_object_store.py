@@ -181,6 +181,17 @@ def test_checkpoints_go_to_a_url_folder_and_resume_from_it_elsewhere(base_args, 
     assert code == 0, out[-3000:]
     assert f"Fetched file://{remote}/last.ckpt (step 5)" in out
     assert f"Saved file://{remote}/last.ckpt at step 8" in out
+    # A new run from its weights, by URL: the manifest's `last` (step 8), one more epoch.
+    third = [*base_args, "model=cnn", "test=false", "trainer.max_epochs=3",
+             "trainer.limit_train_batches=4", "trainer.limit_val_batches=2",
+             f"ckpt_path=file://{remote}/last.ckpt",
+             f"hydra.run.dir={tmp_path / 'three'}"]  # fmt: skip
+    code, out = finish(start([sys.executable, "-m", "project.train", *third]), 180)
+    assert code == 0, out[-3000:]
+    staged = tmp_path / "three" / "checkpoint_staging" / "ckpt_path" / "last.ckpt"
+    assert torch.load(staged, weights_only=True)["global_step"] == 8
+    last = torch.load(tmp_path / "three" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 12
 
 
 # --- end to end on a real S3 server (moto): preempted here, continued on another machine ----
