@@ -8,6 +8,7 @@ to load it (`paths.data_dir`, or a `data=` option of the same dataset for loader
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -23,13 +24,18 @@ log = logging.getLogger("project.eval")  # not __name__: run as a script it is "
 LOADING_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
 
 
-def load_checkpoint(path: str | None) -> dict[str, Any]:
-    """Load `path` with weights_only=True, or raise a one-line UserError saying what is wrong."""
+def load_checkpoint(path: str | None, staging: Path | None = None) -> dict[str, Any]:
+    """Load `path` with weights_only=True, or raise a one-line UserError saying what is wrong.
+    A URL (s3://...) is downloaded into `staging` first."""
+    from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url
     from project.engine.checkpoints.state import read_checkpoint
 
     if path is None:
         raise UserError("ckpt_path is required: python eval.py ckpt_path=/path/to/last.ckpt")
-    ckpt = read_checkpoint(path, "ckpt_path")
+    local = path
+    if is_url(path):
+        local = fetch_checkpoint(path, staging or Path(STAGING), "ckpt_path")
+    ckpt = read_checkpoint(local, "ckpt_path")
     hparams = ckpt.get("hyper_parameters") or {}
     if "state_dict" not in ckpt or "task" not in hparams or "net" not in hparams:
         raise UserError(
@@ -76,7 +82,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     from omegaconf import OmegaConf
 
     ckpt_path = OmegaConf.select(cfg, "ckpt_path", throw_on_missing=False)
-    ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path)  # before Lightning loads
+    staging = Path(cfg.paths.output_dir) / "checkpoint_staging"  # a URL's local copy
+    ckpt = load_checkpoint(None if ckpt_path == "???" else ckpt_path, staging)
     data = data_config(ckpt, cfg)
     # the workers' fork server: started before Lightning loads, it imports meanwhile
     configure_worker_start(cfg.get("worker_start_method"), data, "project.eval")

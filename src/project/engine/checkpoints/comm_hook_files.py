@@ -163,9 +163,14 @@ TEXT_BYTES = 2048  # the longest message `agreed` passes on (a line naming two p
 def collective_device(hook: CommHook) -> Any:
     """Where `agreed` puts its tensors: the CPU wherever gloo serves it, else the model's
     device (NCCL takes CUDA tensors only)."""
-    if hook.device is None or not dist.is_initialized() or "gloo" in str(dist.get_backend()):
+    return agreement_device(hook.device)
+
+
+def agreement_device(device: Any) -> Any:
+    """The CPU wherever gloo serves the collectives (or there are none), else `device`."""
+    if device is None or not dist.is_initialized() or "gloo" in str(dist.get_backend()):
         return torch.device("cpu")
-    return hook.device
+    return device
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
@@ -172,15 +173,25 @@ class Resume:
 
 
 def find_resume(
-    cfg: Mapping[str, Any], last: Path | None, kind: str, follows: Mapping[str, str] | None = None
+    cfg: Mapping[str, Any],
+    last: Path | None,
+    kind: str,
+    follows: Mapping[str, str] | None = None,
+    staging: Path | None = None,
+    shown: str | None = None,
 ) -> Resume:
     """An explicit ckpt_path, else (auto_resume) the run folder's `last` checkpoint, checked.
 
     `kind` is the key every checkpoint of the trainer has ("state_dict": Lightning, "model":
-    the raw trainer): the other trainer's checkpoint is refused with one line.
+    the raw trainer): the other trainer's checkpoint is refused with one line. A ckpt_path
+    that is a URL (s3://...) is downloaded into `staging` first; `shown` names `last` in
+    messages (its URL, where it is a local copy of one).
     """
     explicit = cfg.get("ckpt_path")
-    if explicit:
+    if explicit and is_url(explicit):
+        where = (staging or Path(STAGING)) / "ckpt_path"
+        path, what = fetch_checkpoint(str(explicit), where, "ckpt_path"), "ckpt_path"
+    elif explicit:
         path, what = Path(explicit), "ckpt_path"
     elif cfg.get("auto_resume") and last is not None and last.exists():
         path, what = last, "the run's last checkpoint"
@@ -193,7 +204,8 @@ def find_resume(
             f"{what} {path} is not a checkpoint of this trainer (it has no {kind!r}): give "
             f"{own}; each trainer resumes from its own"
         )
-    check_resumable(path, ckpt, cfg, explicit=bool(explicit), follows=follows)
+    named = explicit if explicit else (shown or path)
+    check_resumable(named, ckpt, cfg, explicit=bool(explicit), follows=follows)
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
     return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"),

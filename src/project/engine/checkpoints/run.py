@@ -10,6 +10,10 @@ beside the trainer's own model, optimizer and scheduler state:
     data_position  where the train loader's epoch stands, for any world size (engine.data.elastic)
     comm hook      PowerSGD's per-rank state: one file per rank beside `last` (comm_hook_files)
 
+A checkpoint folder that is an fsspec URL (s3://bucket/run) is written through a local
+staging folder and published there only once every file of `last` is uploaded
+(project.engine.checkpoints.remote); a resume on another machine downloads it.
+
 When `last` is written: on a stop signal always (the stop's "resume with: RUN_ID=..." is
 then true with or without callbacks.fault_tolerance); with fault tolerance on also
 at every epoch end, at its cadences and when training ends (marked finished). A run folder
@@ -27,7 +31,9 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from project.engine.checkpoints import comm_hook_files
+from project.engine.checkpoints import LAST_PT, comm_hook_files
+from project.engine.checkpoints.comm_hook_files import OK, UNREADABLE, agreed, one_line
+from project.engine.checkpoints.remote import STAGING, RemoteLast, is_url, probe
 from project.engine.checkpoints.resume import callbacks_record, checkpoint_dir
 from project.engine.checkpoints.state import project_state, rng_state, set_rng_state
 from project.engine.config.compose import CONFIG_DIR, to_plain
@@ -35,6 +41,7 @@ from project.engine.data import elastic
 from project.engine.distributed.comm_hooks import CommHook
 from project.engine.distributed.signals import StopSignal
 from project.engine.errors import UserError
+from project.engine.launch.env import rank as launched_rank
 
 # The one home of the fault-tolerance values: the config group's file. With the callback off
 # its stop-check keys still apply (a stop always saves); its save cadences do not.
@@ -103,14 +110,88 @@ class RunCheckpoints:
         self.command = command  # the batch keys as the command gave them (engine.data.elastic)
         self.periodic = bool((cfg.get("callbacks") or {}).get("fault_tolerance"))
         self.settings = FaultTolerance.of(cfg)  # with fault tolerance off: stop checks only
+        best_url = ((cfg.get("callbacks") or {}).get("model_checkpoint") or {}).get("dirpath")
+        if is_url(best_url):  # Lightning's ModelCheckpoint writes there through fsspec
+            if last_name == LAST_PT:
+                raise UserError(
+                    f"callbacks.model_checkpoint.dirpath={best_url}: the raw trainer keeps "
+                    "best.pt in a local folder; give a local folder (its last.pt goes to "
+                    "callbacks.fault_tolerance.dirpath, which may be a URL)"
+                )
+            probe(str(best_url), "callbacks.model_checkpoint.dirpath")
         self.folder = checkpoint_dir(cfg, output_dir)
-        folder = Path(self.settings.dirpath) if self.settings.dirpath else self.folder
-        self.last = folder / (last_name or self.settings.filename)
+        name, dirpath = last_name or self.settings.filename, self.settings.dirpath
+        self.remote: RemoteLast | None = None  # the URL `last` is published to, if any
+        if is_url(dirpath):  # probed before any process group: a bad URL costs seconds
+            probe(str(dirpath), "callbacks.fault_tolerance.dirpath")
+            self.remote = RemoteLast(str(dirpath), name, output_dir / STAGING)
+            self.last = self.remote.staging / name  # staged here, then uploaded
+        else:
+            self.last = (Path(dirpath) if dirpath else self.folder) / name
         # Decided once, before any process group: ranks must agree on the final save.
-        self.had_last = self.last.exists()
+        self.had_last = self.last.exists() if self.remote is None else bool(self.remote.manifest)
+        # What auto_resume continues from: the local `last`, or the published one fetched.
+        self.resume_last = self.last if self.remote is None else self.fetch_published()
         self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
         self.finished = False  # set when training ends: `last` then says so
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
+
+    @property
+    def where(self) -> str:
+        """Where `last` lives, as the log says it: its URL, or its local path."""
+        return f"{self.remote.url.rstrip('/')}/{self.last.name}" if self.remote else str(self.last)
+
+    def fetch_published(self) -> Path | None:
+        """The URL's published `last` and this rank's hook state (rank 0's too: a rank the
+        saving run did not have reads its world size there), downloaded; None: none."""
+        assert self.remote is not None
+        step = self.remote.published_step()
+        if step is None:
+            return None
+        ranks = sorted({0, launched_rank()})  # no process group yet
+        return self.remote.fetch([comm_hook_files.state_file(self.last, step, r).name
+                                  for r in ranks])  # fmt: skip
+
+    def publish(self, hook: CommHook | None, step: int, device: torch.device) -> None:
+        """Every rank, once `last` (rank 0) and the hook files (each rank) of `step` are
+        staged: with a URL folder, each uploads its own files; only when every rank's upload
+        completed does rank 0 write the manifest that makes them `last`. A failure stops
+        every rank with one line; the previous `last` stays published."""
+        if self.remote is None:
+            return
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+            if distributed else (0, 1)  # fmt: skip
+        stateful = hook is not None and hook.stateful
+        hook_files = [comm_hook_files.state_file(self.last, step, r) for r in range(world)]
+        mine = [self.last] if rank == 0 else []
+        mine += [hook_files[rank]] if stateful else []
+        device = comm_hook_files.agreement_device(device)
+        before = self.remote.published_step()
+        kept = f"`last` stays step {before}" if before is not None else "nothing is published"
+        code, text = OK, ""
+        try:
+            self.remote.upload(mine)
+        except Exception as err:
+            code, text = UNREADABLE, (
+                f"rank {rank} could not upload step {step}'s checkpoint to {self.remote.url} "
+                f"({one_line(err)}); {kept}: check the credentials and the bucket, then run "
+                "the same command again to resume"
+            )  # fmt: skip
+        codes, first = agreed(code, text, device)
+        if max(codes) != OK:
+            raise UserError(first)
+        names = [self.last.name, *(p.name for p in hook_files if stateful)]
+        try:
+            self.remote.publish(step, names, writer=rank == 0)
+        except Exception as err:
+            code, text = UNREADABLE, (
+                f"the manifest {self.where}.json could not be written ({one_line(err)}); "
+                f"{kept}: check the credentials, then run the same command again to resume"
+            )  # fmt: skip
+        codes, first = agreed(code, text, device)
+        if max(codes) != OK:
+            raise UserError(first)
 
     def stop_signal(self) -> StopSignal:
         """The coordinated stop with this run's cadences (no save cadence with fault tolerance
@@ -172,6 +253,9 @@ class RunCheckpoints:
 
     # --- the comm hook's per-rank files (every rank calls these at the same point) -------------
     def save_hook(self, hook: CommHook | None, step: int) -> None:
+        """Every rank, first thing in a save of `last`: its hook state file."""
+        if self.remote is not None:  # the staged copies stop being the published ones
+            self.remote.forget_fetched()
         comm_hook_files.save_state(hook, self.last, step)
 
     def prune_hook(self, hook: CommHook | None, step: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from project.engine.checkpoints.remote import is_url
 from project.engine.errors import UserError
 
 
@@ -52,8 +53,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def atomic_save(obj: Any, path: str | Path) -> None:
     """torch.save to a temp file in the same folder, fsync, then rename over `path`.
 
-    A write killed midway leaves the previous `path` intact (rename is atomic on POSIX).
+    A write killed midway leaves the previous `path` intact (rename is atomic on POSIX). A URL
+    (a ModelCheckpoint's s3://... folder) is written by fsspec: an object store shows an
+    object only once its upload completed.
     """
+    if is_url(path):
+        import fsspec
+
+        with fsspec.open(str(path), "wb") as f:
+            torch.save(obj, f)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -165,11 +165,12 @@ class RunState(pl.Callback):
         began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)
         self.checkpoints.save_hook(hook, trainer.global_step)  # every rank its own file
         trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
+        # a URL folder: every rank uploads its files, then rank 0 publishes them as `last`
+        self.checkpoints.publish(hook, trainer.global_step, trainer.strategy.root_device)
         self.checkpoints.prune_hook(hook, trainer.global_step)
         self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
-        log.log(
-            logging.INFO if say else logging.DEBUG, f"Saved {path} at step {trainer.global_step}"
-        )
+        level = logging.INFO if say else logging.DEBUG
+        log.log(level, f"Saved {self.checkpoints.where} at step {trainer.global_step}")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.outside_steps(ledgers.VALIDATION, trainer)  # and ModelCheckpoint's saves after it

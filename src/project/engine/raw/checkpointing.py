@@ -38,10 +38,12 @@ class Checkpointing:
         self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
         if self.is_zero:
             atomic_save(self.state_dict(), path)
-            log.log(
-                logging.INFO if say else logging.DEBUG, f"Saved {path} at step {self.global_step}"
-            )
         self.barrier()
+        # a URL folder: every rank uploads its files, then rank 0 publishes them as `last`
+        self.checkpoints.publish(self.comm_hook, self.global_step, self.device)
+        if self.is_zero:
+            level = logging.INFO if say else logging.DEBUG
+            log.log(level, f"Saved {self.checkpoints.where} at step {self.global_step}")
         self.checkpoints.prune_hook(self.comm_hook, self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
 

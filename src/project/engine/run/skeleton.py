@@ -124,6 +124,7 @@ def preflight(
 ) -> Run | dict[str, float]:
     """The run folder's last checkpoint and the targets, before anything is built: a bad
     checkpoint stops with one line, nothing written; a finished run returns its results."""
+    from project.engine.checkpoints.remote import STAGING
     from project.engine.checkpoints.resume import find_resume, interpolations, training_identity
     from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.data.elastic import asked
@@ -132,7 +133,8 @@ def preflight(
     plain = to_plain(cfg)
     checkpoints = RunCheckpoints(cfg, output_dir, entry.last_name, training_identity(plain),
                                  asked(plain))  # fmt: skip
-    resume = find_resume(plain, checkpoints.last, entry.checkpoint_key, interpolations(cfg))
+    resume = find_resume(plain, checkpoints.resume_last, entry.checkpoint_key, interpolations(cfg),
+                         staging=output_dir / STAGING, shown=checkpoints.where)  # fmt: skip
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg, skip=entry.skip_targets)
@@ -231,7 +233,9 @@ def fit_and_test_then_stop(
     except Preempted as stop:
         how = ledgers.ENDED_STOPPED
         if is_rank_zero():
-            saved = f"{stop.checkpoint.name} is saved" if stop.checkpoint else "nothing saved"
+            remote = run.checkpoints.remote is not None  # any machine resumes from its URL
+            name = run.checkpoints.where if remote else getattr(stop.checkpoint, "name", "")
+            saved = f"{name} is saved" if stop.checkpoint else "nothing saved"
             log.info(
                 f"Stopped by a signal at step {stop.step}; {saved}. Resume with: "
                 f"{resume_command()}   (exit {EXIT_PREEMPTED})"
