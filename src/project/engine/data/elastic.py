@@ -33,6 +33,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from project.data.lanes import check_world
 from project.engine.data import sharding
 from project.engine.errors import UserError
 
@@ -60,7 +61,8 @@ def count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-TUPLES = ("units", "offsets", "asked", "counts", "own")  # Position's fields saved as lists
+# Position's fields saved as lists
+TUPLES = ("units", "offsets", "asked", "counts", "own", "lanes", "blocks")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class Position:
     counts: tuple[int | None, ...] = ()  # the COUNTS keys in effect then (None: no count)
     own: tuple[int, ...] = ()  # per train loader: positions of its current pass read by all
     # ranks together (its own count: a short loader cycled inside the epoch is in a later pass)
+    lanes: tuple[int, ...] = ()  # per train loader: a shuffled stream's lanes (0: none), the
+    # run's for good (project.data.lanes); older checkpoints: () (streams were shard-major)
+    blocks: tuple[int, ...] = ()  # per train loader: a shuffled stream's shuffle_block
 
     @property
     def global_batch(self) -> int:
@@ -115,6 +120,7 @@ def record(
         units[:1] == ((cfg.get("data") or {}).get("batch_size"),),
         in_effect[0], tuple(command.get(key) for key in ASKED), in_effect,
         tuple(sharding.own_position(loader, epoch, batches, world) for loader in flat),
+        *zip(*(sharding.stream_layout(loader) for loader in flat), strict=True),
     )  # fmt: skip
     saved = asdict(position)
     saved.update({k: list(saved[k]) for k in TUPLES})
@@ -145,6 +151,11 @@ def resume(loaders: Any, position: Position | None, epoch: int, world: int) -> i
     kept = [type(loader).__name__ for loader in flat if not sharding.resumable(loader)]
     if kept:
         return _restart_warning(f"the train loader's order is its own ({kept[0]} kept as is)")
+    if not position.lanes and any(sharding.stream_layout(loader)[0] for loader in flat):
+        return _restart_warning(
+            "the checkpoint was written before streams were laid out in lanes (its stream "
+            "order was shard-major)"
+        )
     # The epoch's batches done at this world size, from the positions the batches took;
     # each loader then starts at its own count (older checkpoints: the same for all).
     done = min(position.consumed(i) // (sharding.units_per_batch(loader) * world)
@@ -158,6 +169,38 @@ def resume(loaders: Any, position: Position | None, epoch: int, world: int) -> i
         "process(es) would have trained on"
     )
     return done
+
+
+def fit_layout(cfg: DictConfig, position: Position | None, world: int, where: str) -> None:
+    """A resumed run keeps its streams' layout (project.data.lanes), recorded in its checkpoint
+    (`where`): a world size that does not divide its lanes, or a command asking for other lanes
+    or another shuffle_block, is one line (before anything is built or written)."""
+    if position is None:
+        return
+    for lanes in dict.fromkeys(position.lanes):
+        if lanes:
+            check_world(lanes, world, f"resuming from {where}")
+    data = cfg.get("data") or {}
+    recorded = {"lanes": position.lanes[:1], "shuffle_block": position.blocks[:1]}
+    for key, (value,) in ((k, v) for k, v in recorded.items() if v):
+        if value and data.get(key) is not None and data.get(key) != value:
+            raise UserError(
+                f"data.{key}={data.get(key)}, and {where} was written with data.{key}={value}: "
+                f"a run keeps its stream's layout; drop the override (or set data.{key}="
+                f"{value}) to resume, or start a new run"
+            )
+
+
+def apply_layout(loaders: Any, position: Position | None, world: int) -> None:
+    """Lay each train loader's shuffled stream out as the checkpoint recorded (`fit_layout`
+    checked the world size at start; a datamodule of its own is checked here)."""
+    if position is None or not position.lanes:
+        return
+    for loader, lanes, block in zip(sharding.flat(loaders), position.lanes, position.blocks,
+                                    strict=False):  # fmt: skip
+        if lanes and sharding.stream_layout(loader)[0]:
+            check_world(lanes, world, "resuming from the checkpoint")
+            sharding.lay_out(loader, lanes, block)
 
 
 def fit_accumulation(
