@@ -310,29 +310,30 @@ def test_data_chars_stream_resumes_exactly_after_a_mid_epoch_preemption(
 def test_a_stream_preempted_on_2_processes_continues_on_1_in_its_lanes(
     chars_shards: Path, base_args, log_dir: Path
 ) -> None:
-    """Stopped mid-epoch on 2 processes (8 lanes), continued on 1 (8 lanes, from the
-    checkpoint): the same optimizer steps and the final weights of the run that never stopped
-    (the same global batches: within float rounding of 2 ranks' averaged gradients; dropout
-    off, as its masks are drawn per rank)."""
+    """Each trainer stopped mid-epoch on 2 processes (8 lanes) and continued on 1 (8 lanes,
+    from the checkpoint): the same optimizer steps and the final weights of the run that never
+    stopped (the same global batches: within float rounding of 2 ranks' averaged gradients;
+    dropout off, as its masks are drawn per rank)."""
     args = [*base_args, *stream_args(chars_shards), "test=false", "callbacks.early_stopping=null",
             "callbacks.fault_tolerance.check_every_n_steps=1", "model.net.dropout=0.0"]  # fmt: skip
     code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="whole"), 240)
     assert code == 0, out[-3000:]
-    cut = [*args, "fault_injection.at_step=9", "fault_injection.mode=sigterm"]
-    code, out = finish(start(launcher(["-m", "project.train", *cut]), RUN_ID="cut"), 240)
-    assert code == EXIT_PREEMPTED, out[-3000:]
-    code, out = finish(start([sys.executable, "-m", "project.train", *args], RUN_ID="cut"), 240)
-    assert code == 0 and "Resuming epoch 0" in out and "skipping" in out, out[-3000:]
     runs = log_dir / "train" / "runs"
-    saved = [torch.load(runs / r / "checkpoints" / "last.ckpt", weights_only=True)
-             for r in ("whole", "cut")]  # fmt: skip
-    assert saved[0]["global_step"] == saved[1]["global_step"] == 24
-    assert saved[1]["data_position"]["lanes"] == [8]
-    a, b = final_weights(runs / "whole"), final_weights(runs / "cut")
-    for key in a:
-        # AdamW carries the rounding of other groupings along (seen: 1e-5; with dropout's
-        # per-rank masks: 3e-2)
-        torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-3)
+    for name, module in TRAINERS.items():
+        cut = [*args, "fault_injection.at_step=9", "fault_injection.mode=sigterm"]
+        code, out = finish(start(launcher(["-m", module, *cut]), RUN_ID=name), 240)
+        assert code == EXIT_PREEMPTED, out[-3000:]
+        code, out = finish(start([sys.executable, "-m", module, *args], RUN_ID=name), 240)
+        assert code == 0 and "Resuming epoch 0" in out and "skipping" in out, out[-3000:]
+        saved = [torch.load(next((runs / r / "checkpoints").glob("last.*t")), weights_only=True)
+                 for r in ("whole", name)]  # fmt: skip
+        assert saved[0]["global_step"] == saved[1]["global_step"] == 24
+        assert saved[1]["data_position"]["lanes"] == [8]
+        a, b = final_weights(runs / "whole"), final_weights(runs / name)
+        for key in a:
+            # AdamW carries the rounding of other groupings along (seen: 1e-5; with dropout's
+            # per-rank masks: 3e-2)
+            torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-3)
 
 
 def test_a_stream_resumed_on_a_world_size_its_lanes_do_not_admit_is_one_line(

@@ -128,8 +128,7 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         self.sharded = True
         if self.shuffle and self.lanes is not None:
             check_world(self.lanes, world, f"data.lanes={self.lanes}")
-        self.laid_out = None
-        self.laid_out = self.in_use()
+        self.laid_out = (self.lanes or default_lanes(world), self.shuffle_block or SHUFFLE_BLOCK)
 
     def lay_out(self, lanes: int, shuffle_block: int) -> None:
         """Use this layout (a resumed run's, from its checkpoint) instead of the asked one."""

@@ -23,6 +23,10 @@ batch. Both trainers use it.
   datamodule in `fit_global_batch`, with one of its own when its train loader is built), or
   stop the run with one line naming the count that would work. A command that changes one
   of them itself is followed as it is.
+- **A shuffled stream's lanes** (project.data.lanes) are the run's too: recorded per train
+  loader, used by every later attempt (`apply_layout`), and a world size that does not divide
+  them, or a command asking for others, stops the run in one line before anything is built
+  (`fit_layout`).
 """
 
 from __future__ import annotations
