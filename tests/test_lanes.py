@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from project.data.lanes import Layout, admitted, check_world, default_lanes
 from project.data.stream import ShardedStream
-from project.engine.data import elastic
+from project.engine.data import elastic, sharding
 from project.engine.data.loaders import plain_loader
 from project.engine.data.sharding import set_epoch, shard_loader
 from project.engine.errors import UserError
@@ -134,6 +134,7 @@ def test_a_world_size_the_lanes_do_not_admit_is_one_line() -> None:
     assert [default_lanes(w) for w in (1, 2, 3, 4, 5, 8, 12, 64)] == [8, 8, 9, 8, 10, 8, 12, 64]
     assert admitted(12) == [1, 2, 3, 4, 6, 12]
     check_world(12, 4, "data.lanes=12")
+    check_world(1, 5, "data.lanes=1")  # one lane: the shard-major order, read by every rank
     with pytest.raises(UserError) as err:
         check_world(8, 3, "the checkpoint's data position")
     message = str(err.value)
@@ -198,13 +199,19 @@ def test_a_checkpoint_records_the_layout_and_a_resume_keeps_it() -> None:
         elastic.fit_layout(cfg, position, 2, "last.ckpt")
 
 
-def test_a_checkpoint_from_before_the_lanes_restarts_the_epoch(caplog) -> None:
-    """Its stream order was shard-major: no position in the lane order is that place."""
+def test_a_checkpoint_from_before_the_lanes_resumes_exactly_in_its_order(caplog) -> None:
+    """Its streams were shard-major (1 lane, blocks of 1 row): the run keeps that order, so
+    its epoch continues exactly, with one warning; its next checkpoints record it."""
     cfg = OmegaConf.create({"data": {"batch_size": 32}, "trainer": {}})
-    saved = elastic.record(stream_loader(2, 0), 0, 3, 2, 1, cfg, elastic.asked(cfg))
+    old_run = stream_loader(2, 0)
+    sharding.lay_out(old_run, 1, 1)
+    whole = [pairs(b) for b in old_run]
+    saved = elastic.record(old_run, 0, 3, 2, 1, cfg, elastic.asked(cfg))
     old = elastic.Position.of({k: v for k, v in saved.items() if k not in ("lanes", "blocks")})
     loader = stream_loader(2, 0)
-    elastic.apply_layout(loader, old, 2)
     with caplog.at_level("WARNING"):
-        assert elastic.resume(loader, old, 0, 2) == 0
-    assert "before streams were laid out in lanes" in caplog.text
+        elastic.apply_layout(loader, old, 2)
+        assert elastic.resume(loader, old, 0, 2) == 3
+    assert "keeps the shard-major order it was trained in" in caplog.text
+    assert [pairs(b) for b in loader] == whole[3:]
+    assert elastic.record(loader, 0, 4, 2, 1, cfg, elastic.asked(cfg))["lanes"] == [1]

@@ -339,9 +339,9 @@ def test_a_stream_preempted_on_2_processes_continues_on_1_in_its_lanes(
 def test_a_stream_resumed_on_a_world_size_its_lanes_do_not_admit_is_one_line(
     chars_shards: Path, base_args, log_dir: Path
 ) -> None:
-    """Stopped on 1 process with data.lanes=1, continued on 2: one line naming the world size
-    that works, exit 2 on every rank, the checkpoint untouched."""
-    args = [*base_args, *stream_args(chars_shards), "test=false", "data.lanes=1",
+    """Stopped on 1 process with data.lanes=3, continued on 2: one line naming the world sizes
+    that work, exit 2 on every rank, the checkpoint untouched."""
+    args = [*base_args, *stream_args(chars_shards), "test=false", "data.lanes=3",
             "trainer.max_epochs=1"]  # fmt: skip
     cut = [*args, "fault_injection.at_step=5", "fault_injection.mode=sigterm"]
     code, out = finish(start([sys.executable, "-m", "project.train", *cut], RUN_ID="one"), 240)
@@ -351,6 +351,6 @@ def test_a_stream_resumed_on_a_world_size_its_lanes_do_not_admit_is_one_line(
     code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="one"), 240)
     errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert code == 2 and errors and "Traceback" not in out, out[-3000:]
-    assert all(e.endswith("laid out in 1 lanes and 2 processes do not divide them: run on 1 "
+    assert all(e.endswith("laid out in 3 lanes and 2 processes do not divide them: run on 1, 3 "
                           "process(es)") for e in errors), errors  # fmt: skip
     assert last.read_bytes() == before

@@ -24,7 +24,8 @@ Equal lane lengths are what keep p -> lane p % lanes exact to the epoch's last r
 ones would need a tail rule that sends a rank into other ranks' lanes); training's padding
 (positions >= total wrap to the epoch's first rows) reads at most one row of another lane.
 Without shuffling (evaluation, `data.shuffle=false`) the order is the shards as stored, one
-lane: every rank reads a part of every shard.
+lane: every rank reads a part of every shard. One lane with a `shuffle_block` of 1 is the
+shard-major order streams had before the lanes (a checkpoint of that time resumes in it).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def admitted(lanes: int) -> list[int]:
 
 def check_world(lanes: int, world: int, whose: str) -> None:
     """One line when `world` processes cannot read `lanes` lanes each its own (`whose`: where
-    the lanes come from, e.g. "data.lanes=6")."""
-    if lanes % world:
+    the lanes come from, e.g. "data.lanes=6"). One lane is the shard-major order streams had
+    before the lanes: every rank reads every shard by design, on any world size."""
+    if lanes > 1 and lanes % world:
         sizes = ", ".join(map(str, admitted(lanes)))
         fix = f", or set data.lanes to a multiple of {world}" if whose.startswith("data.") else ""
         raise UserError(

@@ -86,7 +86,8 @@ class Position:
     own: tuple[int, ...] = ()  # per train loader: positions of its current pass read by all
     # ranks together (its own count: a short loader cycled inside the epoch is in a later pass)
     lanes: tuple[int, ...] = ()  # per train loader: a shuffled stream's lanes (0: none), the
-    # run's for good (project.data.lanes); older checkpoints: () (streams were shard-major)
+    # run's for good (project.data.lanes); older checkpoints: () (streams were shard-major:
+    # 1 lane, blocks of 1 row)
     blocks: tuple[int, ...] = ()  # per train loader: a shuffled stream's shuffle_block
 
     @property
@@ -134,6 +135,12 @@ def record(
 _warned: set[str] = set()
 
 
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
 def _restart_warning(why: str) -> int:
     if why not in _warned:
         _warned.add(why)
@@ -155,11 +162,6 @@ def resume(loaders: Any, position: Position | None, epoch: int, world: int) -> i
     kept = [type(loader).__name__ for loader in flat if not sharding.resumable(loader)]
     if kept:
         return _restart_warning(f"the train loader's order is its own ({kept[0]} kept as is)")
-    if not position.lanes and any(sharding.stream_layout(loader)[0] for loader in flat):
-        return _restart_warning(
-            "the checkpoint was written before streams were laid out in lanes (its stream "
-            "order was shard-major)"
-        )
     # The epoch's batches done at this world size, from the positions the batches took;
     # each loader then starts at its own count (older checkpoints: the same for all).
     done = min(position.consumed(i) // (sharding.units_per_batch(loader) * world)
@@ -197,14 +199,24 @@ def fit_layout(cfg: DictConfig, position: Position | None, world: int, where: st
 
 def apply_layout(loaders: Any, position: Position | None, world: int) -> None:
     """Lay each train loader's shuffled stream out as the checkpoint recorded (`fit_layout`
-    checked the world size at start; a datamodule of its own is checked here)."""
-    if position is None or not position.lanes:
+    checked the world size at start; a datamodule of its own is checked here). A checkpoint
+    from before the lanes keeps its run in the shard-major order it was training in (1 lane,
+    blocks of 1 row): exact, on any world size."""
+    if position is None:
         return
-    for loader, lanes, block in zip(sharding.flat(loaders), position.lanes, position.blocks,
-                                    strict=False):  # fmt: skip
+    flat = sharding.flat(loaders)
+    recorded = zip(position.lanes, position.blocks, strict=True) if position.lanes else (
+        [(1, 1)] * len(flat))  # fmt: skip
+    for loader, (lanes, block) in zip(flat, recorded, strict=False):
         if lanes and sharding.stream_layout(loader)[0]:
             check_world(lanes, world, "resuming from the checkpoint")
             sharding.lay_out(loader, lanes, block)
+            if not position.lanes:
+                _warn_once(
+                    "the checkpoint was written before streams were laid out in lanes: this run "
+                    "keeps the shard-major order it was trained in (data.lanes=1 "
+                    "data.shuffle_block=1); a new run gets the lanes (docs/data.md)"
+                )
 
 
 def fit_accumulation(
