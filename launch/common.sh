@@ -34,6 +34,19 @@ gpu_count() {
 # shellcheck disable=SC2034  # used by the scripts that source this file
 TORCHRUN=("$PYTHON" -m project.launcher)
 
+# The command as typed, with the launch knobs set in the environment: `RUN_ID=<id>` before
+# it resumes this run (a stop, the launcher and the hang report print that line). Not when
+# torchrun started this script: the workers then name torchrun's own command.
+if [[ -z "${TORCHELASTIC_RUN_ID:-}" ]]; then
+  typed=""
+  for var in NNODES NODE_RANK NPROC_PER_NODE MASTER_ADDR MASTER_PORT RDZV_ENDPOINT RDZV_ID \
+             LOCAL_ADDR MAX_RESTARTS TRAINER PYTHON; do
+    [[ -n "${!var:-}" ]] && typed+="$var=$(printf '%q' "${!var}") "
+  done
+  PROJECT_COMMAND="$typed$(printf '%q ' "$0" "$@")"
+  export PROJECT_COMMAND="${PROJECT_COMMAND% }"
+fi
+
 # One-line input checks before anything starts (exit 2).
 die() { echo "error: $*" >&2; exit 2; }
 check_count() {  # name value: a whole number >= 1

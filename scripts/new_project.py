@@ -55,6 +55,19 @@ FEATURES = {
             "docs/raw-trainer.md",
             "docs/compare.png"],
 }  # fmt: skip
+# What the docs (README.md, docs/*.md) say of each optional feature: a paragraph, list item,
+# table row or code block still naming one after the marked spans went (strip_features) goes
+# with it, then a heading whose section is left empty; tests check no variant's docs name a
+# feature it left out.
+MENTIONS = {
+    "slurm": [r"slurm\.sbatch", r"submitit", r"\.\[slurm\]", r"slurm\.md", r"\bsbatch\b"],
+    "k8s": [r"launch/k8s", r"\bk8s\b", r"kubectl", r"pytorchjob", r"trainjob"],
+    "sweeps": [r"hparams_search", r"optuna", r"\.\[sweep\]", r"sweeps\.md"],
+    "tracking": [r"mlflow", r"wandb", r"\bW&B\b", r"\.\[track\]", r"tracking\.md"],
+    "doctor": [rf"{OLD}\.doctor", r"doctor\.md", r"\bthe doctor\b"],
+    "raw": [r"raw[_ -]train", r"raw-trainer\.md", rf"{OLD}\.compare", r"compare command",
+            r"compare\.png", r"\.\[plot\]", rf"{OLD}\.bench"],
+}  # fmt: skip
 # Copied but never rewritten: copier's record of the template it came from.
 VERBATIM = {".copier-answers.yml"}
 # Import names of the dependencies: a package named like one would shadow it.
@@ -163,6 +176,7 @@ def kept_files(files: list[str], without: set[str]) -> list[str]:
 
 BLOCK = re.compile(r"^\s*(?:#|<!--)\s*(/?)feature:(\w+)\s*(?:-->)?\s*$")
 INLINE = re.compile(r"\s+#\s*feature:(\w+)\s*$")
+SPAN = re.compile(r" ?<!-- feature:(\w+) -->(.*?)<!-- /feature:\1 -->", re.S)
 
 
 def strip_features(text: str, rel: str, without: set[str]) -> str:
@@ -172,6 +186,8 @@ def strip_features(text: str, rel: str, without: set[str]) -> str:
     gone += [f"({Path(f).name})" for f in gone if f.startswith("docs/")]  # links inside docs/
     gone += [f"({Path(f).name}#" for f in gone if f.startswith("docs/")]
     gone += [f"`{f.removeprefix(f'src/{OLD}/')}`" for f in gone if f.startswith(f"src/{OLD}/")]
+    # Inline spans (markdown): `<!-- feature:raw -->(raw trainer: last.pt)<!-- /feature:raw -->`
+    text = SPAN.sub(lambda m: "" if m[1] in without else m[2], text)
     out: list[str] = []
     open_blocks: list[str] = []
     for line in text.splitlines(keepends=True):
@@ -194,6 +210,59 @@ def strip_features(text: str, rel: str, without: set[str]) -> str:
             continue
         out.append(line)
     return "".join(out)
+
+
+def strip_mentions(text: str, without: set[str]) -> str:
+    """Markdown `text` without the blocks (paragraph, list item, table row, fenced code)
+    that mention a left-out feature (MENTIONS), nor the headings whose section is then empty."""
+    found = [re.compile(p, re.I) for name in without for p in MENTIONS[name]]
+    if not found:
+        return text
+    kept = [b for b in md_blocks(text) if not any(p.search(b) for p in found)]
+    out: list[str] = []
+    for i, block in enumerate(kept):
+        level = len(block) - len(block.lstrip("#")) if block.startswith("#") else 0
+        if level:  # a heading stays while its section holds anything but deeper headings
+            rest = kept[i + 1 :]
+            end = next((j for j, b in enumerate(rest) if b.startswith("#")
+                        and len(b) - len(b.lstrip("#")) <= level), len(rest))  # fmt: skip
+            if all(not b.strip() or b.startswith("#") for b in rest[:end]):
+                continue
+        out.append(block)
+    text = re.sub(r"\n{3,}", "\n\n", "".join(out))
+    # A table whose rows all went: its header and separator go too.
+    return re.sub(r"^\|[^\n]*\|\n\|[ :|-]+\|\n(?!\|)", "", text, flags=re.M)
+
+
+ITEM = re.compile(r"\s*[-*] |\s*\d+\. ")
+
+
+def md_blocks(text: str) -> list[str]:
+    """`text` cut into blocks that join back to it: fenced code, a table row, a list item
+    with its indented lines, a heading, a paragraph, blank lines."""
+    blocks: list[str] = []
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line, j = lines[i], i + 1
+        if line.lstrip().startswith("```"):
+            while j < len(lines) and not lines[j].lstrip().startswith("```"):
+                j += 1
+            j = min(j + 1, len(lines))
+        elif ITEM.match(line):  # an item: its indented lines, until a blank or the next item
+            while j < len(lines) and lines[j].startswith("  ") and not ITEM.match(lines[j]):
+                j += 1
+        elif line.strip() and not line.startswith(("|", "#")):  # a paragraph
+            while (
+                j < len(lines)
+                and lines[j].strip()
+                and not ITEM.match(lines[j])
+                and not (lines[j].startswith(("|", "#", "```")))
+            ):
+                j += 1
+        blocks.append("".join(lines[i:j]))
+        i = j
+    return blocks
 
 
 def add_author(text: str, author: str | None, email: str | None) -> str:
@@ -236,6 +305,8 @@ def generate(args: argparse.Namespace) -> Path:
             text = None  # binary: copied as is
         if text is not None and rel not in VERBATIM:
             text = strip_features(text, rel, without)
+            if rel.endswith(".md"):
+                text = strip_mentions(text, without)
             text = rewrite(text, rel, args.package, name, description)
             if rel == "pyproject.toml":
                 text = add_author(text, args.author, args.email)

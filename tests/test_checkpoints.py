@@ -134,14 +134,18 @@ def test_run_folder_refuses_another_config_and_keeps_its_record(
     run_dir = finished_copy(finished_runs, trainer, log_dir, "same")
     record = (run_dir / ".hydra/config.yaml").read_bytes()
     ckpt = (run_dir / "checkpoints" / name).read_bytes()
-    for override, key in (("seed=7", "seed: 42 there, 7 now"), ("model=cnn", "model.net._target_")):
+    changes = [("seed=7", "seed: 42 there, 7 now"), ("model=cnn", "model.net._target_"),
+               ("trainer.max_epochs=5", "the command changed trainer.max_epochs, and with it "
+                "the run's model.scheduler.T_max (it follows trainer.max_epochs): 2 there, 5 now"
+                ": add model.scheduler.T_max=2 to continue")]  # fmt: skip
+    for override, key in changes:
         code, out = run(module, [*base_args, *SHORT_NO_TEST, override], "same")
         assert code == 2, out[-3000:]
         line = one_error_line(out)
         assert key in line and "another RUN_ID" in line, line
     assert (run_dir / ".hydra/config.yaml").read_bytes() == record  # the first record kept
     assert (run_dir / "checkpoints" / name).read_bytes() == ckpt
-    assert len(list((run_dir / ".hydra").glob("attempt-*/config.yaml"))) == 2  # tries recorded
+    assert len(list((run_dir / ".hydra").glob("attempt-*/config.yaml"))) == len(changes)
 
 
 @pytest.mark.parametrize("trainer", BOTH)
@@ -262,3 +266,15 @@ def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None
     for noise in ("Traceback", "ChildFailedError", "exitcode", "will restart", "killed by"):
         assert noise not in out, out[-3000:]
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"not a checkpoint"
+
+
+def test_callbacks_changed_names_each_setting_and_only_those() -> None:
+    from project.engine.checkpoints.resume import callbacks_changed
+
+    run = {"early_stopping": {"monitor": "val/loss", "patience": 3}, "model_checkpoint": None}
+    assert callbacks_changed(run, dict(run)) is None
+    now = {"early_stopping": {"monitor": "val/loss", "patience": 5}, "model_checkpoint": {}}
+    line = callbacks_changed(run, now)
+    assert line is not None and "\n" not in line
+    assert "callbacks.early_stopping.patience: 3 then, 5 now" in line
+    assert "callbacks.model_checkpoint: off then, on now" in line and "monitor" not in line

@@ -104,8 +104,15 @@ def wait_listening(port: int, timeout: float = 60) -> None:
     raise AssertionError(f"no rendezvous store on port {port} after {timeout}s")
 
 
-def alive(pids: set[int]) -> list[int]:
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+def alive(pids: set[int]) -> list[str]:
+    """The processes of `pids` still running, with their command lines (what was left)."""
+    left = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                left.append(f"{pid}: {cmd[:200]}")
+    return left
 
 
 @pytest.fixture
@@ -135,7 +142,12 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
     optimizer steps as two nodes would take), and trains every row of the interrupted epoch
     once from the checkpoint's position on."""
     host, other = elastic_node(), elastic_node()
-    wait_for([host, other], "at step 20", timeout=90)  # mid-epoch 0, a last.ckpt to resume
+    # Mid-epoch 0, a last.ckpt to resume (the cadence's saves are logged to the file only).
+    train_log = log_dir / "train" / "runs" / "torchrun-elastic" / "train.log"
+    deadline = time.monotonic() + 90
+    while not (train_log.exists() and "last.ckpt at step 20" in train_log.read_text()):
+        assert time.monotonic() < deadline, host.out()[-3000:]
+        time.sleep(0.05)
     killed = other.kill()
     assert host.finish(timeout=150) == 0, host.out()[-4000:]
     resumed = host.first(RESUMED, after=killed)
@@ -144,6 +156,14 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
     assert resumed - killed < RECOVERY_S, host.out()[-4000:]
     out = host.out()
     assert "Metrics:" in out and "the global batch of 4 is kept" in out, out[-4000:]
+    # What the survivor says: the peer is gone (not a hang), and what happens next.
+    assert "hang report: rank 1 died: the job failed" in out, out[-4000:]
+    assert "next: torchrun restarts the job (restart 1 of 3)" in out, out[-4000:]
+    assert re.search(
+        r"launcher: the workers failed: restart 1 of 3, waiting for the nodes: a "
+        r"node whose heartbeats stopped is left out after <= 6 s, then 5 s",
+        out,
+    ), out[-4000:]
     assert not alive(host.pids | other.pids)
     last = log_dir / "train" / "runs" / "torchrun-elastic" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 2 * math.ceil(ROWS / 4)
@@ -153,6 +173,26 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
     first, (after,) = recorded_reads(tmp_path, "try0"), recorded_reads(tmp_path, "try1")
     epoch0 = [i for rank in first for i in rank[: position // 2]] + after[:-ROWS]
     assert collections.Counter(epoch0) == collections.Counter(range(ROWS))
+
+
+def test_when_the_store_host_dies_the_survivor_says_so_in_one_line(elastic_node, log_dir):
+    """The node hosting the c10d store dies: the survivor cannot meet again (docs/elastic.md).
+    It said so with two 30-frame C++ stacks and a start-up checklist ("a node was not
+    started ..."); now one line names the store and its host, exit 1, nothing left."""
+    host, other = elastic_node(), elastic_node()
+    train_log = log_dir / "train" / "runs" / "torchrun-elastic" / "train.log"
+    deadline = time.monotonic() + 90
+    while not (train_log.exists() and "last.ckpt at step 20" in train_log.read_text()):
+        assert time.monotonic() < deadline, other.out()[-3000:]
+        time.sleep(0.05)
+    host.kill()
+    assert other.finish(timeout=200) == 1, other.out()[-4000:]
+    out = other.out()
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the rendezvous store at 127.0.0.1:" in errors[0], out[-4000:]
+    assert "is gone" in errors[0] and "RDZV_ENDPOINT" in errors[0], errors
+    assert "frame #" not in out and "Likely causes" not in out, out[-4000:]
+    assert not alive(host.pids | other.pids)
 
 
 def test_a_node_that_joins_is_taken_in_at_the_next_restart(elastic_node) -> None:

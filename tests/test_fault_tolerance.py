@@ -4,6 +4,7 @@ killed rank, torchrun restarts, no hangs, atomic checkpoints. CPU, gloo."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tests.helpers import (
     ROOT,
     assert_groups_closed,
     assert_same_weights,
+    child_env,
     exit_check_env,
     finish,
     start,
@@ -149,10 +151,11 @@ def test_sigterm_to_torchrun_agent_stops_saves_and_rerun_resumes(base_args, log_
     args = [*base_args, *LONG]
     code, out = torchrun(args, run_id="whole")
     assert code == 0, out[-3000:]
-    proc = start([str(ROOT / "launch" / "single_node.sh"), *args], NPROC_PER_NODE="2", RUN_ID="sig")
-    first_epoch = log_dir / "train/runs/sig/checkpoints/last.ckpt"
+    # No RUN_ID: the run is named by torchrun; the stop prints the command that resumes it.
+    proc = start([str(ROOT / "launch" / "single_node.sh"), *args], NPROC_PER_NODE="2")
     deadline = time.monotonic() + 120
-    while not first_epoch.exists() and time.monotonic() < deadline and proc.poll() is None:
+    while not (saved := list((log_dir / "train/runs").glob("torchrun-*/checkpoints/last.ckpt"))):
+        assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
     time.sleep(0.15)  # into the next epoch
     proc.send_signal(signal.SIGTERM)  # the launch script passes it to torchrun's agent
@@ -160,11 +163,18 @@ def test_sigterm_to_torchrun_agent_stops_saves_and_rerun_resumes(base_args, log_
     assert code == EXIT_PREEMPTED, out[-3000:]
     assert out.count("SIGTERM received") == 2  # both ranks agreed to stop...
     assert out.count("Stopped by a signal") == 1 and "Saved" in out  # ...and rank 0 saved
-    stopped_at = torch.load(first_epoch, weights_only=True)["global_step"]
+    stopped_at = torch.load(saved[0], weights_only=True)["global_step"]
     assert 10 <= stopped_at < 160
-    code, out = torchrun(args, run_id="sig")
-    assert code == 0 and "resuming from" in out, out[-3000:]
-    assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/sig")
+    # The worker's stop line and the launcher's give the same command, which resumes the run.
+    said = re.findall(r"(?i)resume with: (RUN_ID=\S+ .*?)   \(exit 143\)", out)
+    assert len(said) == 2 and said[0] == said[1], out[-3000:]
+    assert said[0].startswith(f"RUN_ID={saved[0].parents[1].name} NPROC_PER_NODE=2 ")
+    rerun = subprocess.run(
+        ["bash", "-c", said[0]], cwd=ROOT, env=child_env(), text=True, timeout=240,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    assert rerun.returncode == 0 and "resuming from" in rerun.stdout, rerun.stdout[-3000:]
+    assert_same_weights(log_dir / "train/runs/whole", saved[0].parents[1])
 
 
 @pytest.mark.distributed

@@ -54,7 +54,8 @@ def ended(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
 
 def screen(out: str) -> str:
     """The hang report as printed (from its first line to its exit line)."""
-    found = re.search(r"hang report:.*?exit \d+; how to read this: \S+", out, re.S)
+    until = r"exit \d+; how to read this: \S+(\n  next: [^\n]*)?"  # its last line, if any
+    found = re.search(r"hang report:.*?" + until, out, re.S)
     assert found, out[-3000:]
     return found[0]
 
@@ -70,6 +71,9 @@ def test_a_hung_rank_is_named_with_its_frame_and_the_job_ends(base_args, log_dir
     assert code == EXIT_HUNG, out[-3000:]
     report = screen(out)
     assert len(report.splitlines()) <= 30
+    # It ends with what to do next: the command that resumes this run, or a longer timeout.
+    nxt = re.search(r"next: resume with RUN_ID=hang (.*); steps that are legitimately", out)
+    assert nxt and ("project.launcher" in nxt[1] or "train.py" in nxt[1]), out[-3000:]
     rank1 = next(line for line in report.splitlines() if line.strip().startswith("rank 1 "))
     assert "step 15" in rank1 and "faults.py" in rank1 and "maybe_fail" in rank1, report
     waited = re.search(r"rank 1 never issued collective #(\d+) \(all_reduce \[\d+\]\)", report)
@@ -247,7 +251,7 @@ def test_the_screen_names_the_rank_behind_and_a_mismatch(tmp_path: Path) -> None
 
 
 @pytest.mark.quick
-def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path) -> None:
+def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path, monkeypatch) -> None:
     """The ledger file outlives its process: the screen says where a rank that left no
     report was (its step, phase, collectives issued) and that its process is gone."""
     import subprocess
@@ -266,6 +270,13 @@ def test_a_dead_rank_is_read_from_its_ledger_file(tmp_path: Path) -> None:
     )
     text = "\n".join(hangs.screen(folder, 2, "a collective failed", EXIT_FAILED))  # fmt: skip
     assert f"died (pid {record.pid} gone), issued #41" in text, text
+    # Titled as what it is, and what comes next: torchrun's restart while it has one.
+    assert text.startswith("hang report: rank 1 died: the job failed"), text
+    assert text.splitlines()[-1].startswith("  next: resume with RUN_ID="), text
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    text = "\n".join(hangs.screen(folder, 2, "a collective failed", EXIT_FAILED))  # fmt: skip
+    assert "next: torchrun restarts the job (restart 2 of 3)" in text.splitlines()[-1], text
 
 
 @pytest.mark.quick

@@ -238,6 +238,32 @@ def test_a_project_without_every_optional_feature_trains_and_passes_its_quick_ti
     assert re.search(r"(\d+) passed", suite.stdout), suite.stdout[-2000:]
 
 
+def generator() -> object:
+    """scripts/new_project.py as a module (its FEATURES and MENTIONS)."""
+    spec = importlib.util.spec_from_file_location("new_project", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("without", [*generator().FEATURES, EVERY_FEATURE])
+def test_the_docs_of_a_project_without_a_feature_never_mention_it(tmp_path, without) -> None:
+    """README.md and docs/*.md of each variant name no feature it left out (they promised the
+    raw trainer, its extras and `python -m lean.compare` after --without raw), and still
+    name the features it kept."""
+    gen, project = generator(), tmp_path / "p"
+    proc = new_project(str(project), "--package", "mynet", "--without", without)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    docs = "\n".join(p.read_text() for p in [project / "README.md", *project.glob("docs/*.md")])
+    assert "<!--" not in docs.replace("<!-- template-only -->", "")
+    for name, patterns in gen.MENTIONS.items():
+        said = [p for p in patterns if re.search(p.replace("project", "mynet"), docs, re.I)]
+        if name in without.split(","):
+            assert said == [], (name, said)
+        else:
+            assert said, name  # what was kept is still documented
+
+
 def test_an_unknown_feature_is_refused(tmp_path: Path) -> None:
     dest = tmp_path / "new"
     assert_refused(new_project(str(dest), "--package", "mynet", "--without", "raw,gpu"), "gpu")

@@ -79,7 +79,8 @@ hydra:
          "error: hydra.sweeper.params.model.optimizer.lrr: the config has no key"),
         ("data.batch_size: 64", [], "error: hydra.sweeper.params.data.batch_size=64: use choice("),
         ("data.batch_size: choice(32, 64)", ["hydra.sweeper.n_trails=3"],
-         "error: Could not override 'hydra.sweeper.n_trails'"),
+         "error: `hydra.sweeper.n_trails` is not a key of the config: did you mean "
+         "`hydra.sweeper.n_trials`?"),
     ],
     ids=["misspelt-key", "not-a-search-space", "unknown-sweeper-option"],
 )  # fmt: skip

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from project.train import train
-from tests.helpers import logged_metrics, read_scalars, run_script, step_losses
+from tests.helpers import (
+    assert_one_line_error,
+    logged_metrics,
+    read_scalars,
+    run_script,
+    step_losses,
+)
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -140,3 +146,64 @@ def test_a_run_early_stopping_ends_says_why_in_both_trainers(base_args, log_dir)
         r"row \(best [0-9.]+\); callbacks.early_stopping=null trains on",
         lines[0],
     ), lines[0]
+
+
+@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
+@pytest.mark.parametrize(
+    "override, torch_says, sizes",
+    [("model.net.in_features=32", "cannot be multiplied (64x64 and 32x256)", "in_features=32"),
+     ("model.task.num_classes=5", "Target", "out_features=5")],
+)  # fmt: skip
+def test_a_network_that_does_not_fit_the_data_is_one_line(
+    base_args, module, override, torch_says, sizes
+) -> None:
+    """A first layer narrower than the data, or fewer outputs than classes: one line naming
+    torch's shapes, the batch's and the network's sizes (it was a 113-line traceback)."""
+    args = [*base_args, override, "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
+    proc = run_script(f"-m {module}", args)
+    assert_one_line_error(proc, "the network does not fit the data", torch_says,
+                          "on a batch of [64, 64] float32, [64] int64", sizes)  # fmt: skip
+
+
+def test_the_console_says_what_matters_once(data_dir, tmp_path) -> None:
+    """Output that is not a terminal, a run stopped and resumed: progress lines (no tqdm
+    redraws), the config tree once per run and whole (paths were cut at 80 columns), the
+    epochs' checkpoint saves in the log file only, none of Lightning's noise lines."""
+    log_dir = tmp_path / ("a_folder_with_a_long_name_" * 4)  # > 80 columns with the run's path
+    args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", "trainer.max_epochs=4",
+            "callbacks.progress_bar.lines_every_s=0", "test=false"]  # fmt: skip
+    stop = ["fault_injection.at_step=25", "fault_injection.mode=sigterm"]
+    first = run_script("-m project.train", [*args, *stop], RUN_ID="screen")
+    assert first.returncode == 143, first.stdout[-3000:] + first.stderr[-3000:]
+    again = run_script("-m project.train", args, RUN_ID="screen")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    run = log_dir / "train" / "runs" / "screen"
+    for proc in (first, again):
+        screen = proc.stdout + proc.stderr
+        assert "\r" not in screen and re.search(r"epoch \d, batch \d+/20 \(\d+%\), step", screen)
+        for noise in ("GPU available", "TPU available", "already configured with model summary",
+                      "FLOPs", "exists and is not empty", "leaked semaphore"):  # fmt: skip
+            assert noise not in screen, noise
+        assert screen.count(f"Saved {run}/checkpoints/last.ckpt") == 1, screen[-3000:]
+    assert "CONFIG" in first.stdout and f"data_dir: {data_dir}\n" in first.stdout
+    assert "CONFIG" not in again.stdout and f"Config tree: {run}/config_tree.log" in again.stdout
+    assert f"output_dir: {run}\n" in (run / "config_tree.log").read_text()
+    saves = re.findall(r"\]\[(\w+)\] - Saved \S+ at step (\d+)", (run / "train.log").read_text())
+    stopped = re.search(r"Stopped by a signal at step (\d+)", first.stdout)[1]
+    assert saves == [("DEBUG", "20"), ("INFO", stopped), ("DEBUG", "40"), ("DEBUG", "60"),
+                     ("INFO", "80")], saves  # each epoch's end, the stop, the end  # fmt: skip
+
+
+@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
+def test_a_resume_with_other_callbacks_says_so(base_args, module) -> None:
+    """Stopped with early stopping off, resumed by a command that left the `=null` out: it
+    stops early now, and one line says the callbacks are not the run's (it said nothing)."""
+    args = [*base_args, "trainer.max_epochs=3", "test=false"]
+    stop = ["callbacks.early_stopping=null", "fault_injection.at_step=5",
+            "fault_injection.mode=sigterm"]  # fmt: skip
+    first = run_script(f"-m {module}", [*args, *stop], RUN_ID="cb")
+    assert first.returncode == 143, first.stdout[-3000:] + first.stderr[-3000:]
+    again = run_script(f"-m {module}", [*args, "callbacks.early_stopping.patience=7"], RUN_ID="cb")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    said = [ln for ln in again.stdout.splitlines() if "callbacks differ" in ln]
+    assert len(said) == 1 and "callbacks.early_stopping: off then, on now" in said[0], said

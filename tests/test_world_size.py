@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import re
 import sys
 import tracemalloc
 from pathlib import Path
@@ -105,6 +106,12 @@ def test_the_global_batch_is_split_or_refused_in_one_line(run, world, batch, fix
         with pytest.raises(UserError, match=rf"global batch of {run} cannot be split") as err:
             elastic.split_global_batch(run, world, batch, fixed)
         assert "keep_global_batch=false" in str(err.value) and "\n" not in str(err.value)
+        # Only fixes that exist: each world size it names splits the batch.
+        named = re.search(r"run on ([\d, .]+) process\(es\)", str(err.value))[1]
+        sizes = [int(w) for w in named.replace("...", "").split(",") if w.strip()]
+        assert sizes and world not in sizes, err.value
+        for w in sizes:
+            elastic.split_global_batch(run, w, batch, fixed)
         return
     assert elastic.split_global_batch(run, world, batch, fixed) == split
     per_rank, accumulate = split

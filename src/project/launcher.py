@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -43,9 +44,12 @@ from project.engine.distributed.exits import (
     EXIT_OK,
     EXIT_PREEMPTED,
     NO_RESTART,
+    recorded_resume,
     worker_exits,
 )
+from project.engine.launch.env import COMMAND_ENV
 from project.engine.private_api import (
+    announce_restarts,
     exit_barrier_on_live_peers,
     restart_only_crashes,
     signals_once,
@@ -78,25 +82,33 @@ def _failure_line(failures: dict[int, Any]) -> str:
     )
 
 
-def _signalled(signum: int, codes: dict[int, int]) -> int:
+def _signalled(signum: int, folder: str) -> int:
     import signal
 
-    name = signal.Signals(signum).name
+    name, codes = signal.Signals(signum).name, worker_exits(folder)
     if codes and all(c == 0 for c in codes.values()):
         print(f"launcher: {name} arrived after training had finished: exit 0", file=sys.stderr)
         return 0
-    if any(c == EXIT_PREEMPTED for c in codes.values()):
-        print(f"launcher: stopped by {name}; the workers saved last.ckpt: run the same "
-              f"command again to resume (exit {EXIT_PREEMPTED})", file=sys.stderr)  # fmt: skip
-    else:
-        print(f"launcher: stopped by {name} before the workers saved a checkpoint: a rerun "
-              f"resumes from the last one written earlier (exit {EXIT_PREEMPTED})",
-              file=sys.stderr)  # fmt: skip
+    resume = recorded_resume(folder) or "the same command, with the run's RUN_ID"
+    saved = (
+        "the workers saved last.ckpt"
+        if any(c == EXIT_PREEMPTED for c in codes.values())
+        else "before the workers saved a checkpoint (it resumes from the last one written)"
+    )
+    print(f"launcher: stopped by {name}, {saved}; resume with: {resume}   "
+          f"(exit {EXIT_PREEMPTED})", file=sys.stderr)  # fmt: skip
     return EXIT_PREEMPTED
 
 
-def _rendezvous_line(err: BaseException, args: Any) -> str:
+def _rendezvous_line(err: BaseException, args: Any, ran: bool) -> str:
     where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+    if ran:  # the nodes had met: what is gone is the store, with the node that hosted it
+        return (
+            f"error: the rendezvous store at {where} is gone ({type(err).__name__}): the node "
+            f"that hosted it (the agent at {where}) left, and the others cannot meet again "
+            "without it. Resume the run on the nodes left, with RDZV_ENDPOINT on one of them "
+            "(the most reliable: docs/elastic.md)"
+        )
     return (
         f"error: the rendezvous at {where} did not complete ({type(err).__name__}): not every "
         f"node joined (nnodes={args.nnodes}, this node: node rank {args.node_rank}). Likely "
@@ -108,28 +120,44 @@ def _rendezvous_line(err: BaseException, args: Any) -> str:
 
 def launch(argv: list[str]) -> int:
     """Run torchrun with `argv`; returns the job's exit code (see the module docstring)."""
+    # The store's C++ client prints its socket errors with 30-frame C++ stacks when a node
+    # leaves; the launcher says what happened in one line. Read once, as torch loads: the
+    # workers get the user's own setting back.
+    cpp_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level or "ERROR"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if cpp_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     args = torchrun.parse_args(argv)
     for name in EXTRA_SIGNALS:
         if name not in args.signals_to_handle:
             args.signals_to_handle += f",{name}"
-    state: dict[str, Any] = {"signal": None, "done": False}
+    state: dict[str, Any] = {"signal": None, "done": False, "ran": False}
     restart_only_crashes(LocalElasticAgent, NO_RESTART)
+
+    def restarting(line: str) -> None:
+        state["ran"] = True  # the nodes had met once: a rendezvous failing now lost its store
+        print(line, file=sys.stderr, flush=True)
+
+    announce_restarts(LocalElasticAgent, restarting)
     exit_barrier_on_live_peers(LocalElasticAgent)
     signals_once(mp_api, state)
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
     folder = tempfile.mkdtemp(prefix="project-exit-")
     os.environ[EXIT_DIR_ENV] = folder  # the workers inherit it
+    # What the stop line and the hang report print after `RUN_ID=<id>` (the launch scripts
+    # set the command as typed; a worker cannot see torchrun's arguments itself).
+    os.environ.setdefault(COMMAND_ENV, shlex.join(["python", *sys.orig_argv[1:]]))
     try:
         torchrun.run(args)
         return EXIT_OK
     except ChildFailedError as err:
         if state["signal"] is not None:
-            return _signalled(state["signal"], worker_exits(folder))
+            return _signalled(state["signal"], folder)
         # The first failure is the cause; the agent then stops the other workers (SIGTERM).
         first = min(err.failures.values(), key=lambda f: f.timestamp)
         if first.exitcode in (*NO_RESTART, EXIT_HUNG):  # the workers said why themselves
@@ -137,10 +165,10 @@ def launch(argv: list[str]) -> int:
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
         return EXIT_FAILED
     except mp_api.SignalException as err:
-        return _signalled(int(err.sigval), worker_exits(folder))
+        return _signalled(int(err.sigval), folder)
     except Exception as err:
         if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
-            print(_rendezvous_line(err, args), file=sys.stderr, flush=True)
+            print(_rendezvous_line(err, args, state["ran"]), file=sys.stderr, flush=True)
             return EXIT_FAILED
         raise
     finally:

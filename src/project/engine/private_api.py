@@ -174,6 +174,31 @@ def restart_only_crashes(agent_cls: Any, no_restart: Collection[int]) -> None:
     agent_cls._monitor_workers = _monitor_workers
 
 
+def announce_restarts(agent_cls: Any, say: Callable[[str], None]) -> None:
+    """Before torchrun's agent restarts its workers, `say` what happens next: which restart
+    (a failure's; a node joining is not counted), and how long the rendezvous waits for the
+    nodes (the c10d rendezvous's heartbeat and last-call settings), instead of silence."""
+    restart = agent_cls._restart_workers
+
+    def _restart_workers(self: Any, worker_group: Any) -> Any:
+        spec = worker_group.spec
+        failed = worker_group.state.name in ("FAILED", "UNHEALTHY")
+        why = (
+            f"the workers failed: restart {spec.max_restarts - self._remaining_restarts} of "
+            f"{spec.max_restarts}" if failed else "a node is waiting to join: restart (not counted)"
+        )  # fmt: skip
+        settings = getattr(spec.rdzv_handler, "_settings", None)
+        if settings is not None:  # the c10d (dynamic) rendezvous
+            lost = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+            why += (f", waiting for the nodes: a node whose heartbeats stopped is left out after "
+                    f"<= {lost:.0f} s, then {settings.timeout.last_call.total_seconds():.0f} s "
+                    "for late nodes")  # fmt: skip
+        say(f"launcher: {why}")
+        return restart(self, worker_group)
+
+    agent_cls._restart_workers = _restart_workers
+
+
 def signals_once(mp_api: Any, state: dict[str, Any]) -> None:
     """torchrun's handler raises on every signal: a second one (Ctrl-C and the scheduler's
     TERM, or the launch script forwarding what torchrun also got) would interrupt the

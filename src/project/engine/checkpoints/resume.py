@@ -9,12 +9,14 @@ and its final fit metrics. A run folder is only continued by the same training
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from project.engine.checkpoints.state import read_checkpoint
+from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
 
 # What a run trains: a checkpoint is only resumed by a config that agrees on these (dotted
@@ -44,6 +46,19 @@ def training_identity(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def interpolations(cfg: Any) -> dict[str, str]:
+    """{key: source} for each leaf of the unresolved `cfg` that is exactly `${source}`."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return {}
+    raw = flatten(OmegaConf.to_container(cfg, resolve=False))
+    return {
+        k: v[2:-1] for k, v in raw.items()
+        if isinstance(v, str) and re.fullmatch(r"\$\{[\w.]+\}", v)
+    }  # fmt: skip
+
+
 def saved_identity(ckpt: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
     """(identity, complete): what the checkpoint says it trained. Checkpoints written before
     the `project` entry existed still name their network (Lightning's hyper_parameters, the
@@ -56,12 +71,18 @@ def saved_identity(ckpt: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
 
 
 def check_resumable(
-    path: str | Path, ckpt: dict[str, Any], cfg: Mapping[str, Any], explicit: bool
+    path: str | Path,
+    ckpt: dict[str, Any],
+    cfg: Mapping[str, Any],
+    explicit: bool,
+    follows: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse (one line, naming the keys) a checkpoint trained with another config.
 
     Auto-resume (`explicit=False`) continues a run folder only with the same training
     (IDENTITY); an explicit ckpt_path may change anything but the network architecture.
+    `follows`: {key: the key it is interpolated from} (`interpolations`), to name the key the
+    user changed rather than one that followed it.
     """
     saved, complete = saved_identity(ckpt)
     if saved is None:
@@ -73,8 +94,21 @@ def check_resumable(
     diff = [k for k in keys if saved.get(k) != now.get(k)]
     if not diff:
         return
-    shown = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in diff[:4])
+    follows = follows or {}
+    shown = "; ".join(
+        f"{k}{f' (it follows {follows[k]})' if k in follows else ''}: {saved.get(k)!r} there, "
+        f"{now.get(k)!r} now" for k in diff[:4]
+    )  # fmt: skip
     more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+    if not explicit and all(k in follows for k in diff):
+        # A key the user changed (trainer.max_epochs) moved a key they never set (T_max):
+        # name theirs, and the way to keep the run's own value.
+        keep = " ".join(f"{k}={saved.get(k)!r}" for k in diff)
+        raise UserError(
+            f"the command changed {', '.join(sorted({follows[k] for k in diff}))}, and with "
+            f"it the run's {shown}{more}: add {keep} to continue this run as it was trained, "
+            "or use another RUN_ID for a new run (the folder is left as it is)"
+        )
     if explicit:
         raise UserError(
             f"ckpt_path={path} holds another network ({shown}{more}): pass the model "
@@ -92,6 +126,40 @@ def checkpoint_dir(cfg: Mapping[str, Any], output_dir: Path) -> Path:
     return Path(ckpt.get("dirpath") or output_dir / "checkpoints")
 
 
+# Callbacks that only show things: a resume may change them without a word.
+PRESENTATION = ("progress_bar", "model_summary", "lr_monitor")
+
+
+def callbacks_record(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The callbacks config a checkpoint records: {name: its settings, or None when off}."""
+    callbacks = to_plain(cfg.get("callbacks")) or {}
+    return {k: v for k, v in callbacks.items() if k not in PRESENTATION}
+
+
+def callbacks_changed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """One line naming the callbacks this attempt runs otherwise than the run did (early
+    stopping dropped or added, its patience changed ...), None when they agree."""
+    said = []
+    for name in sorted(set(saved) | set(now)):
+        before, after = saved.get(name), now.get(name)
+        if before == after:
+            continue
+        if before is None or after is None:
+            said.append(f"callbacks.{name}: {'off' if before is None else 'on'} then, "
+                        f"{'off' if after is None else 'on'} now")  # fmt: skip
+            continue
+        old, new = flatten(before), flatten(after)
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        said += [f"callbacks.{name}.{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in keys]
+    if not said:
+        return None
+    more = f" (+{len(said) - 4} more)" if len(said) > 4 else ""
+    return (
+        f"this attempt's callbacks differ from the run's so far: {'; '.join(said[:4])}{more} "
+        "(the command's own settings apply from here on)"
+    )
+
+
 @dataclass
 class Resume:
     """Where a run continues from: `path` (None: from scratch), and what the checkpoint says."""
@@ -100,9 +168,12 @@ class Resume:
     finished: bool = False  # auto-resume found a run that finished training
     metrics: dict[str, float] = field(default_factory=dict)  # its final fit metrics
     data_position: dict[str, Any] | None = None  # where its epoch stood (engine.data.elastic)
+    callbacks: dict[str, Any] | None = None  # the callbacks it ran with (None: not recorded)
 
 
-def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
+def find_resume(
+    cfg: Mapping[str, Any], last: Path | None, kind: str, follows: Mapping[str, str] | None = None
+) -> Resume:
     """An explicit ckpt_path, else (auto_resume) the run folder's `last` checkpoint, checked.
 
     `kind` is the key every checkpoint of the trainer has ("state_dict": Lightning, "model":
@@ -122,7 +193,8 @@ def find_resume(cfg: Mapping[str, Any], last: Path | None, kind: str) -> Resume:
             f"{what} {path} is not a checkpoint of this trainer (it has no {kind!r}): give "
             f"{own}; each trainer resumes from its own"
         )
-    check_resumable(path, ckpt, cfg, explicit=bool(explicit))
+    check_resumable(path, ckpt, cfg, explicit=bool(explicit), follows=follows)
     state = ckpt.get("project") or {}
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
-    return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"))
+    return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"),
+                  state.get("callbacks"))  # fmt: skip

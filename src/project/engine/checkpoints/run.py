@@ -10,8 +10,8 @@ beside the trainer's own model, optimizer and scheduler state:
     data_position  where the train loader's epoch stands, for any world size (engine.data.elastic)
     comm hook      PowerSGD's per-rank state: one file per rank beside `last` (comm_hook_files)
 
-When `last` is written: on a stop signal always (a stop's "run the same command again to
-resume" is then true with or without callbacks.fault_tolerance); with fault tolerance on also
+When `last` is written: on a stop signal always (the stop's "resume with: RUN_ID=..." is
+then true with or without callbacks.fault_tolerance); with fault tolerance on also
 at every epoch end, at its cadences and when training ends (marked finished). A run folder
 that holds a `last` gets the finished one too, so a finished run is never trained again.
 """
@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from project.engine.checkpoints import comm_hook_files
-from project.engine.checkpoints.resume import checkpoint_dir
+from project.engine.checkpoints.resume import callbacks_record, checkpoint_dir
 from project.engine.checkpoints.state import project_state, rng_state, set_rng_state
 from project.engine.config.compose import CONFIG_DIR, to_plain
 from project.engine.data import elastic
@@ -99,6 +99,7 @@ class RunCheckpoints:
     ) -> None:  # fmt: skip
         self.cfg = cfg  # the run's config: fit_world may still change its batch keys
         self.identity = identity  # what this run trains, as composed
+        self.callbacks = callbacks_record(cfg)  # how (a resume with others says so)
         self.command = command  # the batch keys as the command gave them (engine.data.elastic)
         self.periodic = bool((cfg.get("callbacks") or {}).get("fault_tolerance"))
         self.settings = FaultTolerance.of(cfg)  # with fault tolerance off: stop checks only
@@ -141,7 +142,7 @@ class RunCheckpoints:
         position = elastic.record(loaders, epoch, batches, world, accumulate, self.cfg,
                                   self.command)  # fmt: skip
         return {
-            "project": project_state(self.identity, self.finished, self.metrics),
+            "project": project_state(self.identity, self.finished, self.metrics, self.callbacks),
             "rng": rng_state(),
             elastic.KEY: position,
         }

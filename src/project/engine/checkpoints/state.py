@@ -69,10 +69,15 @@ def atomic_save(obj: Any, path: str | Path) -> None:
 
 
 def project_state(
-    identity: dict[str, Any], finished: bool = False, metrics: dict[str, float] | None = None
+    identity: dict[str, Any],
+    finished: bool = False,
+    metrics: dict[str, float] | None = None,
+    callbacks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `project` entry of a checkpoint (plain values: loads with weights_only=True)."""
-    return {"identity": identity, "finished": finished, "metrics": dict(metrics or {})}
+    """The `project` entry of a checkpoint (plain values: loads with weights_only=True);
+    `callbacks`: the run's callbacks config (a resume with others says so)."""
+    state = {"identity": identity, "finished": finished, "metrics": dict(metrics or {})}
+    return state | ({"callbacks": callbacks} if callbacks is not None else {})
 
 
 def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any]:

@@ -266,14 +266,16 @@ def split_global_batch(
     if rest == 0 and not batch_fixed:
         largest = max(d for d in range(1, min(batch, per_rank) + 1) if per_rank % d == 0)
         return largest, per_rank // largest
-    fix = "data.batch_size and trainer.accumulate_grad_batches" if not batch_fixed else (
-        "trainer.accumulate_grad_batches")  # fmt: skip
+    # Only fixes that exist: a world size that divides the batch, or the global batch let go
+    # (the batch keys cannot help: no whole numbers make their product x world the batch).
+    fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0
+            and (not batch_fixed or global_batch // w % batch == 0)]  # fmt: skip
+    shown = ", ".join(map(str, fits[:12])) + (", ..." if len(fits) > 12 else "")
     raise UserError(
         f"the run's global batch of {global_batch} cannot be split over {world} process(es) "
         f"with {'a per-rank batch of ' + str(batch) if batch_fixed else 'whole numbers'}: run "
-        f"on a world size that divides {global_batch // batch if batch_fixed else global_batch}"
-        f", set {fix} so that their product x {world} = {global_batch}, or "
-        "keep_global_batch=false to let the global batch follow the world size"
+        f"on {shown} process(es), or set keep_global_batch=false to let the global batch "
+        "follow the world size"
     )
 
 

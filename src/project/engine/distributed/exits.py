@@ -4,9 +4,9 @@ and closing the process group.
 One exit code means one thing, for both trainers, eval, the doctor and `project.launcher`:
 0 finished, 1 anything else, 2 bad input (one line said why), 124 the ranks stopped making
 progress (a hang: the report in <run>/hang/ says where; `timeout`'s code), 143 stopped by a
-signal after saving the last checkpoint (run the same command again to resume). 143 is 128 +
-SIGTERM, what a process killed by SIGTERM reports, so schedulers treat it as "terminated", not
-"failed".
+signal after saving the last checkpoint (the stop prints `RUN_ID=<id> <command>`, which resumes
+it). 143 is 128 + SIGTERM, what a process killed by SIGTERM reports, so schedulers treat it as
+"terminated", not "failed".
 
 Only the standard library is imported at the top: `project.launcher` and every entry point
 import this module before anything heavy.
@@ -15,6 +15,7 @@ import this module before anything heavy.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 from collections.abc import Iterator
@@ -42,11 +43,27 @@ def one_line(message: str) -> str:
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Print one line naming the problem (and the fix) and exit with `code`."""
-    # One write (print writes the text and the newline apart): the lines of ranks failing at
-    # once reach a shared pipe whole, not run together.
-    sys.stderr.write(f"error: {one_line(message)}\n")
-    sys.stderr.flush()
+    line = f"error: {one_line(message)}\n"
+    if not _said_on_this_node(line):
+        # One write (print writes the text and the newline apart): the lines of ranks failing
+        # at once reach a shared pipe whole, not run together.
+        sys.stderr.write(line)
+        sys.stderr.flush()
     sys.exit(code)
+
+
+def _said_on_this_node(line: str) -> bool:
+    """Whether another worker of this node's launcher printed this very line already (bad
+    input fails every rank alike: the user reads it once, not once per rank)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    said = Path(folder, "said-" + hashlib.sha256(line.encode()).hexdigest()[:16])
+    try:
+        os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return True
+    return False
 
 
 class Preempted(Exception):
@@ -56,6 +73,9 @@ class Preempted(Exception):
     def __init__(self, step: int, checkpoint: Path | None) -> None:
         super().__init__(f"stopped by a signal at step {step}")
         self.step, self.checkpoint = step, checkpoint  # None: nothing saved (fast_dev_run)
+
+
+RESUME_FILE = "resume"  # next to the workers' rank-<R> files
 
 
 @contextlib.contextmanager
@@ -80,6 +100,18 @@ def record_exit(code: int | str | None) -> None:
     folder = os.environ.get(EXIT_DIR_ENV)
     if folder and os.path.isdir(folder):
         Path(folder, f"rank-{rank()}").write_text(str(code))
+
+
+def record_resume(command: str) -> None:
+    """Tell the launcher the command that resumes this run (its stop line prints it)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, RESUME_FILE).write_text(command)
+
+
+def recorded_resume(folder: str) -> str | None:
+    path = Path(folder, RESUME_FILE)
+    return path.read_text() if path.is_file() else None
 
 
 def worker_exits(folder: str) -> dict[int, int]:

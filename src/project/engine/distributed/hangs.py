@@ -45,6 +45,7 @@ from project.engine.distributed import ledger as ledgers
 from project.engine.distributed import worker_stacks
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG, record_exit
 from project.engine.distributed.ledger import Ledger, Record
+from project.engine.launch.env import resume_command
 from project.engine.private_api import collective_counter, flight_recorder, pause_child_observer
 
 FOLDER = "hang"
@@ -351,7 +352,7 @@ def screen(folder: Path, world: int, reason: str, code: int, since: float = 0.0)
     rows = {r: _row(reports.get(r), ledgers.read(ledger_dir / f"rank-{r}.bin"),
                     ledger_dir / f"rank-{r}.crash") for r in range(world)}  # fmt: skip
     what = "stalled" if code == EXIT_HUNG else "failed"
-    lines = [f"hang report: the job {what} ({reason}); {world} ranks:"]
+    lines = [f"hang report: {_gone_title(rows)}the job {what} ({reason}); {world} ranks:"]
     groups: dict[tuple[str, ...], list[int]] = {}
     for r, row in rows.items():
         groups.setdefault(row["cells"], []).append(r)
@@ -361,9 +362,33 @@ def screen(folder: Path, world: int, reason: str, code: int, since: float = 0.0)
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
                      + "  " + row[-1])  # fmt: skip
     lines += verdict(rows)
+    lines = lines[:27]
     lines.append(f"  every rank's stacks and last collectives: {folder}/rank-<R>.txt")
     lines.append(f"  exit {code}; how to read this: {DOCS}")
-    return lines[:30]
+    lines.append(f"  next: {next_step(code)}")
+    return lines
+
+
+def _gone_title(rows: dict[int, dict[str, Any]]) -> str:
+    """What a report about ranks that are gone is first: "rank 1 died: ", "rank 3 is gone
+    (no report: its node left?): ", else nothing."""
+    died = [r for r, row in rows.items() if row["gone"] == "died"]
+    left = [r for r, row in rows.items() if row["gone"] == "left"]
+    said = [f"rank {_ranks(died)} died"] if died else []
+    said += [f"rank {_ranks(left)} is gone (no report: its node left?)"] if left else []
+    return ", ".join(said) + ": " if said else ""
+
+
+def next_step(code: int) -> str:
+    """The report's last line: a restart torchrun still has in hand, else the command that
+    resumes the run (and, for a hang, the timeout to raise when steps are that long)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
+    slow = "; steps that are legitimately this long: raise strategy.step_timeout_s"
+    if restart <= restarts:
+        return (f"torchrun restarts the job (restart {restart} of {restarts}), which resumes "
+                f"from the last checkpoint{slow if code == EXIT_HUNG else ''}")  # fmt: skip
+    return f"resume with {resume_command()}{slow if code == EXIT_HUNG else ''}"
 
 
 def _row(report: dict[str, Any] | None, record: Record | None, crash: Path) -> dict[str, Any]:
@@ -384,17 +409,18 @@ def _row(report: dict[str, Any] | None, record: Record | None, crash: Path) -> d
         latest = next((c for c in known or () if c["seq"] == report["seq"]), None)
         return {"seq": report["seq"], "phase": phase, "step": report["step"], "op": latest,
                 "pending": pending[-1] if pending else None, "cells": cells,
-                "dead": False}  # fmt: skip
+                "dead": False, "gone": None}  # fmt: skip
     if record is None:
-        return {"seq": None, "phase": "?", "step": None, "op": None, "dead": True,
+        return {"seq": None, "phase": "?", "step": None, "op": None, "dead": True, "gone": None,
                 "cells": ("", "", "no report, no ledger", "(never started training)")}  # fmt: skip
     how = {False: f"died (pid {record.pid} gone)", None: "no report (another host)",
            True: "no report (stuck holding the GIL?)"}[record.alive()]  # fmt: skip
     at = _crash_frame(crash)
     cells = (f"step {record.step}", record.phase_name, f"{how}, issued #{record.seq}",
              f"crash at {at}" if at else "")  # fmt: skip
+    gone = {False: "died", None: "left", True: None}[record.alive()]  # None: stuck here
     return {"seq": record.seq, "phase": record.phase_name, "step": record.step, "op": None,
-            "cells": cells, "dead": True}  # fmt: skip
+            "cells": cells, "dead": True, "gone": gone}  # fmt: skip
 
 
 def _crash_frame(crash: Path) -> str | None:
@@ -426,6 +452,9 @@ def verdict(rows: dict[int, dict[str, Any]]) -> list[str]:
         first = min(known[r]["seq"] for r in behind) + 1
         waiting = next((known[r]["pending"] for r in ahead if known[r].get("pending")), None)
         where = f" ({waiting['op']} {_sizes(waiting['sizes'])})" if waiting else ""
+        if all(rows[r]["gone"] for r in behind):  # gone, not stuck: nothing to wait for
+            return [f"  => rank {_ranks(behind)} is gone before collective #{first}{where} that "
+                    f"rank {_ranks(ahead)} issued: the job cannot go on without it"]  # fmt: skip
         return [f"  => rank {_ranks(behind)} never issued collective #{first}{where} that rank "
                 f"{_ranks(ahead)} issued: the job waits for rank {_ranks(behind)}, at the "
                 "frame shown"]  # fmt: skip

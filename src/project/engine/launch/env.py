@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 import secrets
+import shlex
 import subprocess
 import sys
 import time
@@ -111,6 +112,19 @@ def run_id() -> str:
         else:
             _run_id = fresh
     return _run_id
+
+
+COMMAND_ENV = "PROJECT_COMMAND"  # the command as the user typed it (the launch scripts set it)
+
+
+def resume_command() -> str:
+    """The exact command that resumes this run: `RUN_ID=<id> <the command as typed>`."""
+    typed = os.environ.get(COMMAND_ENV)
+    if not typed and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        typed = "<the same torchrun command>"  # a worker cannot see torchrun's own arguments
+    typed = typed or shlex.join(["python", *sys.orig_argv[1:]])
+    nodes = " (on every node, each with its NODE_RANK)" if "NODE_RANK=" in typed else ""
+    return f"RUN_ID={run_id()} {typed}{nodes}"
 
 
 def command_digest(overrides: list[str]) -> str:

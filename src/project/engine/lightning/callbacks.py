@@ -127,7 +127,7 @@ class RunState(pl.Callback):
         stop, save = self.stop.check(trainer.strategy.root_device, trainer.global_step)
         epoch_end = self.checkpoints.periodic and batch_idx == 0
         if save or stop or (epoch_end and trainer.global_step != self.stop.saved_step):
-            self.save(trainer)
+            self.save(trainer, say=stop)
         if stop:
             raise SIGTERMException()
         self.ledger.mark(ledgers.STEP, trainer.global_step)
@@ -156,8 +156,9 @@ class RunState(pl.Callback):
         if self.stop.stragglers is not None:
             self.stop.stragglers.pause()
 
-    def save(self, trainer: pl.Trainer) -> None:
-        """Write last.ckpt (every rank calls this; rank 0 writes, atomically)."""
+    def save(self, trainer: pl.Trainer, say: bool = False) -> None:
+        """Write last.ckpt (every rank calls this; rank 0 writes, atomically). `say`: a line
+        on the console (a stop, the end); the epochs' saves go to the log file only."""
         if trainer.fast_dev_run:
             return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
         self.outside_steps(ledgers.CHECKPOINT, trainer)  # the others wait while rank 0 writes
@@ -166,7 +167,9 @@ class RunState(pl.Callback):
         trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
         self.checkpoints.prune_hook(hook, trainer.global_step)
         self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
-        log.info(f"Saved {path} at step {trainer.global_step}")
+        log.log(
+            logging.INFO if say else logging.DEBUG, f"Saved {path} at step {trainer.global_step}"
+        )
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.outside_steps(ledgers.VALIDATION, trainer)  # and ModelCheckpoint's saves after it
@@ -182,7 +185,7 @@ class RunState(pl.Callback):
         self.outside_steps(ledgers.EPOCH_END, trainer)
         self.checkpoints.finish(trainer.callback_metrics)
         if self.checkpoints.saves_at_end():
-            self.save(trainer)
+            self.save(trainer, say=True)
         watch.end(self.watch, trainer.global_step, log_to(trainer))
         for early in trainer.early_stopping_callbacks:  # Lightning says it only when verbose
             if early.stopped_epoch and trainer.is_global_zero:

@@ -18,6 +18,7 @@ from project.engine.config.compose import to_plain
 from project.engine.private_api import DirectHookName
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
+from project.engine.shared.shapes import checked_step
 from project.engine.shared.throughput import Throughput
 from project.tasks.task import STAGES, build_task
 
@@ -74,7 +75,7 @@ class TaskModule(DirectHookName, pl.LightningModule):
 
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
         metrics = getattr(self, f"{stage}_metrics")
-        loss = self.task.step(batch, metrics)
+        loss = checked_step(self.task, batch, metrics, self.hparams.net)
         metrics["loss"].update(loss.detach(), self.task.weight(batch))
         return loss
 

@@ -30,14 +30,17 @@ class Checkpointing:
     """Mixed into RawTrainer (project.engine.raw.trainer), whose attributes it reads (not
     imported here for a type: the trainer imports this module)."""
 
-    def save_last(self) -> None:
-        """Write last.pt (rank 0, atomically); every rank waits until it is on disk."""
+    def save_last(self, say: bool = False) -> None:
+        """Write last.pt (rank 0, atomically); every rank waits until it is on disk. `say`: a
+        line on the console (a stop, the end); the epochs' saves go to the log file only."""
         self.outside_steps(ledgers.CHECKPOINT)  # the others wait while rank 0 writes
         began, path = time.monotonic(), self.checkpoints.last
         self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
         if self.is_zero:
             atomic_save(self.state_dict(), path)
-            log.info(f"Saved {path} at step {self.global_step}")
+            log.log(
+                logging.INFO if say else logging.DEBUG, f"Saved {path} at step {self.global_step}"
+            )
         self.barrier()
         self.checkpoints.prune_hook(self.comm_hook, self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)

@@ -32,7 +32,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +60,7 @@ from project.engine.raw.rng import isolated_rng, seed_everything
 from project.engine.run import console, watch
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
+from project.engine.shared.shapes import checked_step
 from project.engine.shared.step_stats import StepStats
 from project.engine.shared.throughput import Throughput
 from project.tasks.task import STAGES, build_task
@@ -76,12 +77,12 @@ class Step(nn.Module):
     """DDP all-reduces the gradients of work done inside its module's forward: like Lightning's
     wrapper around training_step, this makes `task.step` that forward."""
 
-    def __init__(self, task: nn.Module) -> None:
+    def __init__(self, task: nn.Module, net: Mapping[str, Any]) -> None:
         super().__init__()
-        self.task = task
+        self.task, self.net = task, net
 
     def forward(self, batch: Any, metrics: nn.ModuleDict) -> torch.Tensor:
-        return self.task.step(batch, metrics)
+        return checked_step(self.task, batch, metrics, self.net)
 
 
 class RawTrainer(Checkpointing):
@@ -192,7 +193,7 @@ class RawTrainer(Checkpointing):
             self.task = nn.SyncBatchNorm.convert_sync_batchnorm(self.task)
         if self.cfg.model.get("compile"):
             self.task.net.compile()
-        step = Step(self.task)
+        step = Step(self.task, self.cfg.model.net)
         if self.world == 1:
             return step
         not_ddp = ("_target_", "process_group_backend", "timeout", "start_method", "comm_hook",
@@ -264,7 +265,7 @@ class RawTrainer(Checkpointing):
         with torch.no_grad():
             for _, batch in self.batches(stage, n):
                 with self.autocast():
-                    loss = self.task.step(batch, self.metrics[stage])
+                    loss = checked_step(self.task, batch, self.metrics[stage], self.cfg.model.net)
                 self.metrics[stage]["loss"].update(loss, self.task.weight(batch))
                 self.ledger.touch()  # a long validation is progress, not a hang
         self.task.train()
@@ -334,7 +335,7 @@ class RawTrainer(Checkpointing):
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
         if save or stop:
-            self.save_last()
+            self.save_last(say=stop)
         if stop:
             raise Preempted(self.global_step, self.checkpoints.last)
         self.ledger.mark(ledgers.STEP, self.global_step)
@@ -448,7 +449,7 @@ class RawTrainer(Checkpointing):
             self.stop.restore()
         self.checkpoints.finish(metrics)
         if self.checkpoints.saves_at_end() and not t.get("fast_dev_run"):
-            self.save_last()
+            self.save_last(say=True)
         watch.end(self.watch, self.global_step, self.log_metrics if self.writer else None)
         if self.stats and self.is_zero:
             self.stats.write(self.output_dir)
@@ -471,7 +472,7 @@ class RawTrainer(Checkpointing):
             # destructor joins gloo's worker thread while holding the GIL, and that thread may
             # still need the GIL to free the tensors of a finished collective). So: drop DDP
             # first (the group's registry keeps it alive), then close the group.
-            self.model = Step(self.task)
+            self.model = Step(self.task, self.cfg.model.net)
             close_process_group()
 
 

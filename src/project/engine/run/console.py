@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,11 +24,20 @@ class RankZeroFilter(logging.Filter):
         return is_rank_zero()
 
 
-class DropAdverts(logging.Filter):
-    """Lightning advertises its cloud products ("Tip: ... litlogger") on every run."""
+class DropNoise(logging.Filter):
+    """Lines Lightning prints on every run that tell the user nothing: its cloud adverts,
+    that the summary callback is configured (by us), no GPU/TPU/HPU on a CPU machine."""
+
+    NOISE = (
+        "Tip: For seamless cloud",
+        "Trainer already configured with model summary callbacks",
+        "GPU available: False",
+        "TPU available: False",
+        "HPU available: False",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip: For seamless cloud" not in str(record.msg)
+        return not any(noise in str(record.msg) for noise in self.NOISE)
 
 
 def quiet_lightning() -> None:
@@ -39,8 +50,15 @@ def quiet_lightning() -> None:
     # Printed on any machine with SLURM installed, also where it is not used (tests, laptops
     # with a cluster client): the launch scripts choose srun where it is meant.
     warnings.filterwarnings("ignore", message=r".*The `srun` command is available")
+    # A resumed run's checkpoint folder holds its checkpoints: that is the point, not a risk.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    # After a failure, multiprocessing's resource tracker (its own process: it takes the -W
+    # options) counts the semaphores of DataLoader workers that were killed, and frees them.
+    quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet_tracker not in sys.warnoptions:
+        sys.warnoptions.append(quiet_tracker)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(DropAdverts())
+        logging.getLogger(name).addFilter(DropNoise())
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
@@ -70,10 +88,24 @@ def print_config_tree(
             OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
         )
         branch.add(rich.syntax.Syntax(text, "yaml"))
-    rich.print(tree)
+    plain = _full_width(tree)  # no line cut at 80 columns where no terminal says its width
+    if sys.stdout.isatty():
+        rich.print(tree)
+    else:
+        sys.stdout.write(plain)
     if save_to is not None:
-        with open(save_to, "w") as f:
-            rich.print(tree, file=f)
+        save_to.write_text(plain)
+
+
+def _full_width(renderable: Any) -> str:
+    """`renderable` as plain text, each line whole (rich pads lines to its width: stripped)."""
+    import io
+
+    import rich.console
+
+    buffer = io.StringIO()
+    rich.console.Console(file=buffer, width=4096, color_system=None).print(renderable)
+    return "".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines())
 
 
 def stopped_early(monitor: str, best: float | None, patience: int, epoch: int) -> str:

@@ -26,10 +26,15 @@ from omegaconf import DictConfig
 from project.engine.config.compose import check_targets, to_plain
 from project.engine.config.schema import check_schema
 from project.engine.data.worker_start import configure_worker_start
-from project.engine.distributed.exits import EXIT_PREEMPTED, Preempted, close_process_group
+from project.engine.distributed.exits import (
+    EXIT_PREEMPTED,
+    Preempted,
+    close_process_group,
+    record_resume,
+)
 from project.engine.distributed.ledger import Ledger
 from project.engine.errors import UserError
-from project.engine.launch.env import is_rank_zero
+from project.engine.launch.env import is_rank_zero, resume_command
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
 
 if TYPE_CHECKING:
@@ -106,8 +111,8 @@ def run(
     if relaunched:
         relaunch(cfg, entry, output_dir, topology, list(hydra_cfg.overrides.task))
         return read_metrics(output_dir)
+    prepare(found, entry)  # the config tree first: the resize's warnings read after it
     fit_world(found)
-    prepare(found, entry)
     metrics = fit_and_test_then_stop(found, fit_and_test)
     if is_rank_zero():
         write_metrics(output_dir, metrics)
@@ -119,7 +124,7 @@ def preflight(
 ) -> Run | dict[str, float]:
     """The run folder's last checkpoint and the targets, before anything is built: a bad
     checkpoint stops with one line, nothing written; a finished run returns its results."""
-    from project.engine.checkpoints.resume import find_resume, training_identity
+    from project.engine.checkpoints.resume import find_resume, interpolations, training_identity
     from project.engine.checkpoints.run import RunCheckpoints
     from project.engine.data.elastic import asked
     from project.engine.distributed.ledger import flight_recorder_env
@@ -127,7 +132,7 @@ def preflight(
     plain = to_plain(cfg)
     checkpoints = RunCheckpoints(cfg, output_dir, entry.last_name, training_identity(plain),
                                  asked(plain))  # fmt: skip
-    resume = find_resume(plain, checkpoints.last, kind=entry.checkpoint_key)
+    resume = find_resume(plain, checkpoints.last, entry.checkpoint_key, interpolations(cfg))
     if earlier := finished_results(resume, output_dir):
         return earlier
     check_targets(cfg, skip=entry.skip_targets)
@@ -139,11 +144,17 @@ def preflight(
 
 def fit_world(run: Run) -> None:
     """A resumed run on another world size keeps its global batch and its place in the epoch
-    (project.engine.data.elastic): the batch keys are set here, before anything is built."""
+    (project.engine.data.elastic): the batch keys are set here, before anything is built, and
+    a stream's lanes checked against the world size. A resume with other callbacks than the
+    run's says so."""
+    from project.engine.checkpoints.resume import callbacks_changed
     from project.engine.data.elastic import Position, fit_global_batch, fit_layout
 
     if run.resume.path is None or not run.fits:
         return
+    saved = run.resume.callbacks
+    if saved is not None and (changed := callbacks_changed(saved, run.checkpoints.callbacks)):
+        log.warning(changed)
     run.position = Position.of(run.resume.data_position)
     if run.position is None:
         log.warning(
@@ -163,7 +174,10 @@ def prepare(run: Run, entry: EntryPoint) -> None:
     ddp.check_options(run.cfg.get("strategy"), run.cfg.trainer, run.topology.world_size)
     if is_rank_zero():
         tree_log = run.output_dir / "config_tree.log"  # a resumed run keeps its first record
-        print_config_tree(run.cfg, TREE_ORDER, save_to=None if tree_log.exists() else tree_log)
+        if tree_log.exists():  # once per run, not on every restart (the file keeps it)
+            log.info(f"Config tree: {tree_log} (each attempt's config: {tree_log.parent}/.hydra)")
+        else:
+            print_config_tree(run.cfg, TREE_ORDER, save_to=tree_log)
         t = run.topology
         log.info(
             f"{entry.name} trainer: {t.devices} process(es) per node x {t.num_nodes} node(s), "
@@ -210,6 +224,8 @@ def fit_and_test_then_stop(
     from project.engine.run import goodput, watch
 
     how = ledgers.ENDED_FAILED
+    if is_rank_zero():
+        record_resume(resume_command())  # for the launcher's line, should it be stopped
     try:
         with errors_reported():
             metrics = fit_and_test(run)
@@ -219,8 +235,8 @@ def fit_and_test_then_stop(
         if is_rank_zero():
             saved = f"{stop.checkpoint.name} is saved" if stop.checkpoint else "nothing saved"
             log.info(
-                f"Stopped by a signal at step {stop.step}; {saved}. Run the same command "
-                f"again (same run folder) to resume. Exit {EXIT_PREEMPTED}."
+                f"Stopped by a signal at step {stop.step}; {saved}. Resume with: "
+                f"{resume_command()}   (exit {EXIT_PREEMPTED})"
             )
         close_process_group()  # every rank agreed to stop: the group is healthy
         sys.exit(EXIT_PREEMPTED)
