@@ -55,3 +55,15 @@ def test_draws_command_prints_one_ranks_cost() -> None:
     line = re.search(r"random sampler, 100000 draws, rank 1 of 4: start-up ([\d.]+) s, first "
                      r"10 batches ([\d.]+) s, peak RSS (\d+) MB", proc.stdout)  # fmt: skip
     assert line and int(line[3]) > 0, proc.stdout
+
+
+def test_lanes_command_prints_mixing_locality_and_the_block_trade_off() -> None:
+    """project.bench.lanes on a small synthetic set: the shard-major order against the lanes
+    (classes per batch, shards per rank), the layout at W = 64 and 1,000, and the blocks."""
+    proc = run_script("-m project.bench.lanes", ["--shards", "2000"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| 2.06 -> 9.98 (8 lanes)" in out and "| 64 -> 16" in out, out
+    assert "W=64: 64 lanes; shards a rank reads 32 " in out, out
+    assert "W=1000: 1000 lanes; shards a rank reads 2 " in out, out
+    assert "        2000 | 16384 |" in out, out

@@ -181,10 +181,11 @@ DATA = TensorDataset(torch.arange(N))
 
 
 class Ids(ShardedStream):
-    """N ids in 3 shards of uneven length."""
+    """N ids in 3 shards of uneven length, in 42 lanes: the world sizes below divide them
+    (project.data.lanes)."""
 
     def __init__(self) -> None:
-        super().__init__([37, 41, 23], shuffle=True)
+        super().__init__([37, 41, 23], shuffle=True, lanes=42)
 
     def read(self, shard: int) -> range:
         start = sum(self.lengths[:shard])

@@ -5,15 +5,17 @@ shard's elements with random access (a memory-mapped array, a decoded file): the
 (project.engine.data.sharding) tells it the world, rank and batch size, and it yields this
 rank's part in an order that is a pure function of (seed, epoch):
 
-- the epoch's order: shards in a seeded order, each shard's elements in a seeded order (both
-  only when `shuffle`), the same on every rank and at every world size;
+- the epoch's order (when `shuffle`): the rows laid out in lanes (project.data.lanes), a
+  function of (seed, epoch, lanes, shuffle_block) that is the same on every rank and every
+  world size dividing the lanes; without `shuffle`, the shards and rows as stored;
 - rank r of w reads positions r, r+w, r+2w, ... of that order (`rank_positions`, the layout
   every loader shape of the template shares): optimizer step s of all ranks together reads
-  positions [s*G, (s+1)*G) for a global batch G, whatever the world size. Training pads to
-  a multiple of w with the epoch's first elements (as DistributedSampler pads), so every
-  rank runs the same number of steps and no rank waits in a collective for one that ran
-  out; validation/test do not pad (each element exactly once; evaluation runs no per-batch
-  collective). The ranks walk the shards together, each reading 1/w of every shard;
+  positions [s*G, (s+1)*G) for a global batch G, whatever the world size. Position p is in
+  lane p % lanes, so rank r reads only lanes r, r+w, ...: about 1/w of the shards, while a
+  global batch draws from every lane. Training pads to a multiple of w with the epoch's first
+  elements (as DistributedSampler pads), so every rank runs the same number of steps and no
+  rank waits in a collective for one that ran out; validation/test do not pad (each element
+  exactly once; evaluation runs no per-batch collective);
 - the rank's positions are cut into batches, and batch b goes to DataLoader worker
   b % num_workers: the DataLoader collects workers round-robin, so the batches arrive in the
   same order for any number of workers (the same losses with 0 or 4 workers);
@@ -24,13 +26,16 @@ rank's part in an order that is a pure function of (seed, epoch):
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
+
+from project.data.lanes import SHUFFLE_BLOCK, Layout, check_world, default_lanes
+
+CHUNK = 4096  # positions located at a time while iterating
 
 
 def rank_positions(
@@ -89,13 +94,20 @@ class SkipInEpoch:
 
 
 class ShardedStream(SkipInEpoch, IterableDataset):
-    """Elements of `len(lengths)` shards; shard i holds `lengths[i]` elements."""
+    """Elements of `len(lengths)` shards; shard i holds `lengths[i]` elements. `lanes` and
+    `shuffle_block` lay out a shuffled epoch (project.data.lanes; None: the least multiple of
+    the world size >= 8, and 4096 rows)."""
 
-    def __init__(self, lengths: Sequence[int], shuffle: bool = False) -> None:
+    def __init__(
+        self, lengths: Sequence[int], shuffle: bool = False, lanes: int | None = None,
+        shuffle_block: int | None = None,
+    ) -> None:  # fmt: skip
         self.lengths, self.shuffle = [int(n) for n in lengths], shuffle
         self.total = sum(self.lengths)
         self.world, self.rank, self.batch_size, self.seed, self.pad = 1, 0, 1, 0, False
         self.sharded = False  # whether the machinery told it its rank (a loader reads it)
+        self.lanes, self.shuffle_block = lanes, shuffle_block  # as asked (None: the defaults)
+        self.laid_out: tuple[int, int] | None = None  # (lanes, shuffle_block) in use
 
     def read(self, shard: int) -> Sequence[Any]:
         """Shard `shard`'s elements, indexable 0..lengths[shard]-1."""
@@ -108,11 +120,19 @@ class ShardedStream(SkipInEpoch, IterableDataset):
     # --- set by the machinery ----------------------------------------------------------------
     def shard(self, world: int, rank: int, batch_size: int, seed: int, pad: bool) -> None:
         """Read rank `rank` of `world`'s part, in batches of `batch_size`; `pad` (training):
-        every rank gets the same number of elements."""
+        every rank gets the same number of elements. Lanes asked for that `world` does not
+        divide: one line."""
         self.world, self.rank, self.batch_size, self.seed, self.pad = (
             world, rank, batch_size, seed, pad
         )  # fmt: skip
         self.sharded = True
+        if self.shuffle and self.lanes is not None:
+            check_world(self.lanes, world, f"data.lanes={self.lanes}")
+        self.laid_out = (self.lanes or default_lanes(world), self.shuffle_block or SHUFFLE_BLOCK)
+
+    def lay_out(self, lanes: int, shuffle_block: int) -> None:
+        """Use this layout (a resumed run's, from its checkpoint) instead of the asked one."""
+        self.laid_out = (lanes, shuffle_block)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -131,21 +151,14 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         """How many elements this epoch still yields (fewer than len after a resume)."""
         return len(self.positions(self.first()))
 
-    def _orders(self) -> tuple[np.ndarray, np.ndarray]:
-        """The epoch's shard order and where each shard starts in the epoch's order."""
-        order = np.arange(len(self.lengths))
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
-        starts = np.concatenate([[0], np.cumsum([self.lengths[i] for i in order])])
-        return order, starts
+    def in_use(self) -> tuple[int, int]:
+        """(lanes, shuffle_block) a shuffled epoch is laid out with."""
+        return self.laid_out or (self.lanes or default_lanes(self.world),
+                                 self.shuffle_block or SHUFFLE_BLOCK)  # fmt: skip
 
-    def _within(self, shard: int) -> np.ndarray | None:
-        """The epoch's order of elements inside `shard` (None: as stored)."""
-        if not self.shuffle:
-            return None
-        return np.random.default_rng([self.seed, self.epoch, shard]).permutation(
-            self.lengths[shard]
-        )
+    def layout(self) -> Layout:
+        """This epoch's order (project.data.lanes)."""
+        return Layout(self.lengths, self.seed, self.epoch, *self.in_use(), self.shuffle)
 
     def shards_of(self, rank: int, start: int = 0) -> list[int]:
         """The shards rank `rank` (of this stream's world) reads this epoch from global position
@@ -153,14 +166,7 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         its ranks)."""
         block = self.positions(start)
         mine = np.arange(block.start - self.rank + rank, block.stop - self.rank + rank, self.world)
-        return self._shards_at(mine)
-
-    def _shards_at(self, positions: np.ndarray) -> list[int]:
-        """The shards holding global `positions`, in the order they first appear."""
-        order, starts = self._orders()
-        ks = np.searchsorted(starts, positions % self.total, side="right") - 1
-        _, first = np.unique(ks, return_index=True)
-        return [int(order[k]) for k in ks[np.sort(first)]]
+        return self.layout().shards_at(mine)
 
     def _positions(self) -> Iterator[int]:
         """This worker's positions: its batches (b % workers == worker) of the rank's
@@ -172,14 +178,15 @@ class ShardedStream(SkipInEpoch, IterableDataset):
             yield from block[b * size : (b + 1) * size]
 
     def __iter__(self) -> Iterator[Any]:
-        order, starts = self._orders()
-        current, elements, within = -1, None, None
-        mine = list(self._positions())
-        self.ahead(self._shards_at(np.asarray(mine, dtype=np.int64)) if mine else [])
-        for p in mine:
-            k = bisect.bisect_right(starts, p % self.total) - 1
-            if k != current:  # positions rise, so the shards are read one at a time
-                current, shard = k, int(order[k])
-                elements, within = self.read(shard), self._within(shard)
-            offset = int(p % self.total - starts[k])
-            yield elements[offset if within is None else int(within[offset])]
+        layout = self.layout()
+        mine = np.fromiter(self._positions(), dtype=np.int64)
+        self.ahead(layout.shards_at(mine))
+        opened: dict[int, Sequence[Any]] = {}
+        # A chunk at a time: the shards it reads stay open (a block of a lane spans several,
+        # and a rank reads its lanes in turn), the others are let go.
+        for at in range(0, len(mine), CHUNK):
+            shards, rows = layout.locate(mine[at : at + CHUNK])
+            opened = {s: opened[s] if s in opened else self.read(s)
+                      for s in dict.fromkeys(shards.tolist())}  # fmt: skip
+            for shard, row in zip(shards.tolist(), rows.tolist(), strict=True):
+                yield opened[shard][row]

@@ -76,6 +76,8 @@ class DataSchema:
     pin_memory: bool | None = None
     persistent_workers: bool | None = None
     shuffle: bool | None = None
+    lanes: int | None = bounds(ge=1)
+    shuffle_block: int | None = bounds(ge=1)
 
 
 @dataclass

@@ -23,6 +23,10 @@ batch. Both trainers use it.
   datamodule in `fit_global_batch`, with one of its own when its train loader is built), or
   stop the run with one line naming the count that would work. A command that changes one
   of them itself is followed as it is.
+- **A shuffled stream's lanes** (project.data.lanes) are the run's too: recorded per train
+  loader, used by every later attempt (`apply_layout`), and a world size that does not divide
+  them, or a command asking for others, stops the run in one line before anything is built
+  (`fit_layout`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from project.data.lanes import check_world
 from project.engine.data import sharding
 from project.engine.errors import UserError
 
@@ -60,7 +65,8 @@ def count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-TUPLES = ("units", "offsets", "asked", "counts", "own")  # Position's fields saved as lists
+# Position's fields saved as lists
+TUPLES = ("units", "offsets", "asked", "counts", "own", "lanes", "blocks")
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,10 @@ class Position:
     counts: tuple[int | None, ...] = ()  # the COUNTS keys in effect then (None: no count)
     own: tuple[int, ...] = ()  # per train loader: positions of its current pass read by all
     # ranks together (its own count: a short loader cycled inside the epoch is in a later pass)
+    lanes: tuple[int, ...] = ()  # per train loader: a shuffled stream's lanes (0: none), the
+    # run's for good (project.data.lanes); older checkpoints: () (streams were shard-major:
+    # 1 lane, blocks of 1 row)
+    blocks: tuple[int, ...] = ()  # per train loader: a shuffled stream's shuffle_block
 
     @property
     def global_batch(self) -> int:
@@ -115,6 +125,7 @@ def record(
         units[:1] == ((cfg.get("data") or {}).get("batch_size"),),
         in_effect[0], tuple(command.get(key) for key in ASKED), in_effect,
         tuple(sharding.own_position(loader, epoch, batches, world) for loader in flat),
+        *zip(*(sharding.stream_layout(loader) for loader in flat), strict=True),
     )  # fmt: skip
     saved = asdict(position)
     saved.update({k: list(saved[k]) for k in TUPLES})
@@ -122,6 +133,12 @@ def record(
 
 
 _warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 def _restart_warning(why: str) -> int:
@@ -158,6 +175,48 @@ def resume(loaders: Any, position: Position | None, epoch: int, world: int) -> i
         "process(es) would have trained on"
     )
     return done
+
+
+def fit_layout(cfg: DictConfig, position: Position | None, world: int, where: str) -> None:
+    """A resumed run keeps its streams' layout (project.data.lanes), recorded in its checkpoint
+    (`where`): a world size that does not divide its lanes, or a command asking for other lanes
+    or another shuffle_block, is one line (before anything is built or written)."""
+    if position is None:
+        return
+    for lanes in dict.fromkeys(position.lanes):
+        if lanes:
+            check_world(lanes, world, f"resuming from {where}")
+    data = cfg.get("data") or {}
+    recorded = {"lanes": position.lanes[:1], "shuffle_block": position.blocks[:1]}
+    for key, (value,) in ((k, v) for k, v in recorded.items() if v):
+        if value and data.get(key) is not None and data.get(key) != value:
+            raise UserError(
+                f"data.{key}={data.get(key)}, and {where} was written with data.{key}={value}: "
+                f"a run keeps its stream's layout; drop the override (or set data.{key}="
+                f"{value}) to resume, or start a new run"
+            )
+
+
+def apply_layout(loaders: Any, position: Position | None, world: int) -> None:
+    """Lay each train loader's shuffled stream out as the checkpoint recorded (`fit_layout`
+    checked the world size at start; a datamodule of its own is checked here). A checkpoint
+    from before the lanes keeps its run in the shard-major order it was training in (1 lane,
+    blocks of 1 row): exact, on any world size."""
+    if position is None:
+        return
+    flat = sharding.flat(loaders)
+    recorded = zip(position.lanes, position.blocks, strict=True) if position.lanes else (
+        [(1, 1)] * len(flat))  # fmt: skip
+    for loader, (lanes, block) in zip(flat, recorded, strict=False):
+        if lanes and sharding.stream_layout(loader)[0]:
+            check_world(lanes, world, "resuming from the checkpoint")
+            sharding.lay_out(loader, lanes, block)
+            if not position.lanes:
+                _warn_once(
+                    "the checkpoint was written before streams were laid out in lanes: this run "
+                    "keeps the shard-major order it was trained in (data.lanes=1 "
+                    "data.shuffle_block=1); a new run gets the lanes (docs/data.md)"
+                )
 
 
 def fit_accumulation(

@@ -41,13 +41,18 @@ def plain_loader(
     pin_memory: bool = False,
     persistent_workers: bool = False,
     shuffle: bool = True,
+    lanes: int | None = None,
+    shuffle_block: int | None = None,
 ) -> DataLoader:
     """What a user would write: shuffled for training (unless `shuffle` is off), in order
     otherwise (both trainers' loaders, from the `data` config's loading keys). A stream
-    shuffles itself (project.data.stream), so it is told instead of the DataLoader."""
+    shuffles itself (project.data.stream), so it is told instead of the DataLoader, with its
+    layout (`lanes`, `shuffle_block`: project.data.lanes; None: the stream's own)."""
     shuffle = shuffle and stage == "train"
     if isinstance(dataset, ShardedStream):
         dataset.shuffle, shuffle = shuffle, False
+        dataset.lanes = dataset.lanes if lanes is None else lanes
+        dataset.shuffle_block = dataset.shuffle_block if shuffle_block is None else shuffle_block
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,

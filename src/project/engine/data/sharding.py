@@ -285,6 +285,20 @@ def _order(loader: Any) -> Any:
     return next((part for part in _parts(loader) if isinstance(part, ours)), None)
 
 
+def lay_out(loader: Any, lanes: int, shuffle_block: int) -> None:
+    """Lay `loader`'s stream out in `lanes` lanes and blocks of `shuffle_block` rows."""
+    _order(loader).lay_out(lanes, shuffle_block)
+
+
+def stream_layout(loader: Any) -> tuple[int, int]:
+    """(lanes, shuffle_block) of `loader`'s shuffled stream (project.data.lanes); (0, 0) when
+    its order is no shuffled stream (then no world size is excluded)."""
+    order = _order(loader)
+    if not isinstance(order, ShardedStream) or not order.shuffle:
+        return 0, 0
+    return order.in_use()
+
+
 def units_per_batch(loader: Any) -> int:
     """Positions of the epoch's order one batch of `loader` takes: its batch size, or 1 for a
     batch sampler's batches and for a dataset of ready-made batches (batch_size=None)."""

@@ -39,6 +39,8 @@ class DataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
         shuffle: bool = True,
+        lanes: int | None = None,
+        shuffle_block: int | None = None,
     ) -> None:
         super().__init__()
         dataset = to_plain(dataset)
@@ -59,7 +61,7 @@ class DataModule(pl.LightningDataModule):
         h = self.hparams
         return plain_loader(
             self.sets[stage], stage, h.batch_size, h.num_workers, h.pin_memory,
-            h.persistent_workers, h.shuffle,
+            h.persistent_workers, h.shuffle, h.lanes, h.shuffle_block,
         )  # fmt: skip
 
     def transfer_batch_to_device(
@@ -126,6 +128,7 @@ def fit_to_run(
     steps. Lightning reads each after this call (its limits and val_check_batch; a resumed
     fit runs its first evaluation after it)."""
     world = trainer.world_size
+    elastic.apply_layout(loaders, position, world)  # the run's lanes, also on another world
     trainer.accumulate_grad_batches = elastic.fit_accumulation(
         loaders, position, world, trainer.accumulate_grad_batches, keep_global_batch
     )

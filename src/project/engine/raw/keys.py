@@ -31,7 +31,7 @@ CONSUMED = {
     "model.task.*", "model.net.*", "model.optimizer.*", "model.scheduler.*",
     # data: the datamodule adapter's arguments
     "data._target_", "data._recursive_", "data.batch_size", "data.num_workers", "data.pin_memory",
-    "data.persistent_workers", "data.shuffle", "data.dataset.*",
+    "data.persistent_workers", "data.shuffle", "data.lanes", "data.shuffle_block", "data.dataset.*",
     # strategy: DistributedDataParallel / process-group options (checked by ddp.check_options)
     "strategy.*",
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.sync_batchnorm",

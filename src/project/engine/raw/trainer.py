@@ -179,7 +179,7 @@ class RawTrainer(Checkpointing):
             source.prepare()
         self.barrier()
         loading = (d.batch_size, d.num_workers, d.pin_memory, d.persistent_workers,
-                   d.get("shuffle", True))  # fmt: skip
+                   d.get("shuffle", True), d.get("lanes"), d.get("shuffle_block"))  # fmt: skip
         self.loaders = {
             s: sharding.shard_loader(plain_loader(source.dataset(s), s, *loading), s, self.world,
                             self.rank, self.cfg.seed)
@@ -356,6 +356,7 @@ class RawTrainer(Checkpointing):
                                                   keep):  # fmt: skip
             raise RuntimeError("the raw trainer's loader follows data.batch_size: fit_world")
         sharding.drop_incomplete_steps(loader, accumulate, self.world)
+        elastic.apply_layout(loader, self.position, self.world)  # for good: the stream keeps it
         first = elastic.resume(loader, self.position, epoch, self.world)
         self.position = None
         if (left := sharding.batches_left(loader)) is not None:

@@ -146,10 +146,11 @@ def preflight(
 
 def fit_world(run: Run) -> None:
     """A resumed run on another world size keeps its global batch and its place in the epoch
-    (project.engine.data.elastic): the batch keys are set here, before anything is built. A
-    resume with other callbacks than the run's says so."""
+    (project.engine.data.elastic): the batch keys are set here, before anything is built, and
+    a stream's lanes checked against the world size. A resume with other callbacks than the
+    run's says so."""
     from project.engine.checkpoints.resume import callbacks_changed
-    from project.engine.data.elastic import Position, fit_global_batch
+    from project.engine.data.elastic import Position, fit_global_batch, fit_layout
 
     if run.resume.path is None or not run.fits:
         return
@@ -162,6 +163,7 @@ def fit_world(run: Run) -> None:
             f"{run.resume.path} records no data position (written before positions were): "
             "if it was saved in the middle of an epoch, that epoch restarts from its beginning"
         )
+    fit_layout(run.cfg, run.position, run.topology.world_size, str(run.resume.path))
     fit_global_batch(run.cfg, run.position, run.topology.world_size, run.checkpoints.command)
 
 
