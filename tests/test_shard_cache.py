@@ -284,3 +284,30 @@ def test_the_next_shards_are_fetched_in_the_background_and_the_thread_ends(
     assert not any(t.name == "shard-prefetch" for t in threading.enumerate())
     source.teardown()
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_download_failing_in_a_dataloader_worker_is_the_same_one_line(
+    small_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shards vanish after the index was checked: the worker that reads one gives up
+    after 4 tries, and the rank reports the worker's one line (torch re-raises it with the
+    worker's traceback as the message), exit 2."""
+    import shutil
+
+    from project.engine.run.cli import report_user_errors
+
+    shards = tmp_path / "shards"
+    shutil.copytree(small_shards, shards)
+    cache = ShardCache(tmp_path / "cache")
+    cache.backoff_s = 0.01
+    source = remote(shards, cache)
+    for shard in (shards / "train").glob("*.npy"):
+        shard.unlink()
+    loader = train_loader(source, 1)
+    loader.multiprocessing_context = "fork"
+    with pytest.raises(SystemExit) as stop:
+        report_user_errors(lambda: list(loader))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: shard shard-") and f"from file://{shards}/train/shard-" in err
+    assert "after 4 tries (FileNotFoundError" in err and "Traceback" not in err
