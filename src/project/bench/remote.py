@@ -1,6 +1,7 @@
 """Training from a remote shard folder with per-request latency, against the local folder.
 
-    python -m project.bench.remote [--latency-ms 50] [--reps 5] [--batches 60]
+    python -m project.bench.remote [--latency-ms 50] [--reps 5] [--batches 200]
+                                   [--windows-per-shard 256] [--prefetch 2]
 
 Needs the dev extras (moto's S3 server, s3fs). Prepares the default corpus as shards, starts
 moto's S3 server in a child process behind a delay of `--latency-ms` on every request (what
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--windows-per-shard", type=int, default=256)
+    parser.add_argument("--prefetch", type=int, default=2, help="the depth compared with 0")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -173,7 +175,7 @@ def main() -> None:
             os.environ["AWS_ENDPOINT_URL"] = url
             remote = upload(local, "shards")
             runs = [("local", str(local), 0, w) for w in (0, 2)]
-            runs += [("remote", remote, p, w) for w in (0, 2) for p in (0, 2)]
+            runs += [("remote", remote, p, w) for w in (0, 2) for p in (0, args.prefetch)]
             seconds: dict[tuple[str, int, int], list[float]] = {r[::2] + r[3:]: [] for r in runs}
             for _ in range(args.reps):  # interleaved: the machine's drift hits every variant
                 for where, folder, prefetch, workers in runs:
