@@ -117,10 +117,11 @@ class ShardCache:
                 with self.downloading(url):
                     _flock(lock, fcntl.LOCK_SH)
             if not _complete(target, entry["bytes"]):
-                _flock(lock, fcntl.LOCK_EX)  # (drops the shared lock first: no deadlock)
-                if not _complete(target, entry["bytes"]):  # nobody fetched it meanwhile
-                    with self._room(entry["bytes"], needed_now=True), self.downloading(url):
-                        self._download(url, target, entry["bytes"])
+                with self.downloading(url):
+                    _flock(lock, fcntl.LOCK_EX)  # (drops the shared lock first: no deadlock)
+                    if not _complete(target, entry["bytes"]):  # nobody fetched it meanwhile
+                        with self._room(entry["bytes"], needed_now=True):
+                            self._download(url, target, entry["bytes"])
                 _flock(lock, fcntl.LOCK_SH)
             os.utime(target)  # the time of last use: eviction goes least recently used first
         except BaseException:
