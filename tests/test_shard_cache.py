@@ -116,7 +116,7 @@ def train_rank(
     shards: str, cache_dir: str, record: str, rank: int, workers: int, started: object
 ) -> None:
     """One rank of 2 on this node: reads 2 epochs of its part, checks it against the local
-    folder's batches, then leaves the cache (its teardown)."""
+    folder's batches, then leaves the cache (at its exit: this child skips atexit)."""
     source = remote(Path(shards), CountedFetches(cache_dir, record))
     started.wait()  # type: ignore[attr-defined]  (ranks train together: DDP's first collective)
     streamed = train_loader(source, workers, rank)
@@ -126,6 +126,7 @@ def train_rank(
         set_epoch(local, epoch)
         assert same_batches(list(streamed), list(local))
     source.teardown()
+    source.cache.leave()  # type: ignore[union-attr]
 
 
 def test_the_ranks_of_a_node_share_one_copy_of_each_shard(
@@ -283,6 +284,7 @@ def test_the_next_shards_are_fetched_in_the_background_and_the_thread_ends(
     it.close()
     assert not any(t.name == "shard-prefetch" for t in threading.enumerate())
     source.teardown()
+    cache.leave()  # what the rank's exit does
     assert not (tmp_path / "cache").exists()
 
 

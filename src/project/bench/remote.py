@@ -135,6 +135,8 @@ def train_seconds(folder: str, prefetch: int, workers: int, batches: int) -> flo
                 break
         seconds = time.perf_counter() - began
         source.teardown()
+        if source.cache is not None:
+            source.cache.leave()
     return seconds
 
 
@@ -146,6 +148,8 @@ def read_rank(folder: str, cache_dir: str, world: int, rank: int, started: Any) 
         pass
     started.wait()  # the ranks end together (as training's last collective makes them)
     source.teardown()
+    if source.cache is not None:
+        source.cache.leave()  # what the rank's exit does (this child skips atexit)
 
 
 def main() -> None:

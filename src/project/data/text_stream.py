@@ -9,7 +9,7 @@ them unshuffled, so the two give the same losses.
 A remote folder (`s3://...`) is copied shard by shard into the node's cache, `cache_dir` (the
 run folder's shard_cache: `${paths.output_dir}/shard_cache`, shared by the node's ranks and
 their DataLoader workers: project.data.remote.cache), `prefetch` shards ahead of the one read,
-reused by every later epoch and worker, and removed when the node's last rank ends.
+reused by every later epoch and worker, and removed when the node's last rank exits.
 """
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ class CharStream(DataSource):
             root = cache_dir or tempfile.mkdtemp(prefix="shard_cache-")
             self.cache = ShardCache(root, cache_limit_mb)
             self.cache.join()  # the node's cache stays until its last user leaves
-            # Also when the rank exits without reaching its trainer's teardown (an exception).
-            atexit.register(self.teardown)
+            # At the rank's exit, not at a trainer's teardown: Lightning tears down after fit
+            # and again after test, and a rank leaving between the two could find itself last
+            # while another rank's test workers are only starting.
+            atexit.register(self.leave)
 
     def dataset(self, split: str) -> TokenWindows:
         stream = TokenWindows(f"{self.folder}/{split}", self.indexes[split], self.cache,
@@ -124,10 +126,13 @@ class CharStream(DataSource):
         self.streams.append(stream)
         return stream
 
-    def teardown(self) -> None:
-        """This rank is done with the node's cache (its workers have ended by now): the
-        last rank of the node to leave removes it."""
-        for stream in self.streams:
-            stream.stop_reading()
+    def leave(self) -> None:
+        """This rank is done with the node's cache (at its exit); the last one out removes it."""
         if self.cache is not None:
             self.cache.leave()
+
+    def teardown(self) -> None:
+        """Stop this rank's readers (threads, held shards). The node's cache is left when the
+        rank exits: the last process of the node to leave removes it."""
+        for stream in self.streams:
+            stream.stop_reading()
