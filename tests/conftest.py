@@ -34,9 +34,15 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def s3_server_env() -> Iterator[dict[str, str]]:
+def s3_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The request log of the session's S3 server (tests/helpers.py: s3_gets counts in it)."""
+    return tmp_path_factory.mktemp("s3") / "requests.log"
+
+
+@pytest.fixture(scope="session")
+def s3_server_env(s3_log: Path) -> Iterator[dict[str, str]]:
     """One real S3 server (moto) for the session; its AWS environment (tests/helpers.py)."""
-    with s3_server() as env:
+    with s3_server(log=s3_log) as env:
         yield env
 
 

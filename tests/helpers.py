@@ -90,17 +90,21 @@ S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[dict[str, str]]:
+def s3_server(log: Path | None = None, auth: bool = False) -> Iterator[dict[str, str]]:
     """A real S3 server (moto's, `moto[server]` in the dev extras) on 127.0.0.1 at a free port,
     for as long as the block runs; yields the standard AWS environment that points boto3, s3fs
-    and every child process at it (AWS_ENDPOINT_URL, test keys, a region)."""
+    and every child process at it (AWS_ENDPOINT_URL, test keys, a region). `log`: a file that
+    receives its request log (one line per request: s3_gets counts them); `auth`: it checks
+    credentials (it knows no key, so every request is refused as a bad key would be)."""
     import urllib.request
 
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"} if auth else None
+    with open(log or os.devnull, "a") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out, stderr=out, start_new_session=True, env=env,
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):  # it answers in ~1.5 s here
@@ -119,6 +123,14 @@ def s3_server() -> Iterator[dict[str, str]]:
             proc.wait(timeout=10)
         if proc.poll() is None:
             proc.kill()
+
+
+def s3_gets(log: Path, folder: str, suffix: str = ".npy") -> int:
+    """How many GET requests of objects under `folder` (`s3://bucket/prefix`) ending in
+    `suffix` the server's request log (s3_server(log=...)) holds."""
+    path = "/" + folder.removeprefix("s3://").rstrip("/") + "/"
+    pattern = re.compile(rf'"GET {re.escape(path)}\S*{re.escape(suffix)}[ ?]')
+    return sum(1 for line in log.read_text().splitlines() if pattern.search(line))
 
 
 def group_alive(pgid: int) -> bool:

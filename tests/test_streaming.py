@@ -5,6 +5,7 @@ model read back streaming (`data=chars_stream`), and broken shard folders refuse
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from project.data.prepare import prepare
 from project.data.shards import load_shard, read_index
-from project.data.text import CharCorpus
+from project.data.source import SPLITS
+from project.data.text import CharCorpus, read_corpus
 from project.data.text_stream import CharStream
 from project.engine.data.loaders import plain_loader
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
@@ -33,6 +35,8 @@ from tests.helpers import (
     logged_metrics,
     run_script,
     run_trainer,  # feature:raw
+    s3_gets,
+    s3_server,
     start,
     user_data,
 )
@@ -189,7 +193,7 @@ def test_another_block_size_than_the_shards_is_one_line(chars_shards: Path) -> N
         CharStream(str(chars_shards), block_size=64)
 
 
-def stream_args(folder: Path) -> list[str]:
+def stream_args(folder: Path | str) -> list[str]:
     charlm = [a for a in CHARLM if not a.startswith("data.dataset.block_size")]
     return [*charlm, "data=chars_stream", f"data.dataset.folder={folder}",
             "data.dataset.block_size=32"]  # fmt: skip
@@ -354,3 +358,89 @@ def test_a_stream_resumed_on_a_world_size_its_lanes_do_not_admit_is_one_line(
     assert all(e.endswith("laid out in 3 lanes and 2 processes do not divide them: run on 1, 3 "
                           "process(es)") for e in errors), errors  # fmt: skip
     assert last.read_bytes() == before
+
+
+# --- a remote folder on a real S3 server (moto: tests/conftest.py's `s3` fixture) -------------
+def upload(folder: Path, url: str) -> str:
+    """Copy a prepared shard folder to `url` (s3://bucket/prefix), index last; returns it."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in sorted(files, key=lambda p: p.name == "index.json"):
+        fs.put_file(str(path), f"{url}/{path.relative_to(folder)}".removeprefix("s3://"))
+    return url
+
+
+@pytest.fixture(scope="module")
+def few_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short corpus as shards of 50 windows of 32 characters: 12 train shards, a whole
+    epoch in seconds."""
+    root = tmp_path_factory.mktemp("few")
+    corpus = root / "corpus.txt"
+    corpus.write_bytes(read_corpus(None)[:20000])
+    prepare(str(corpus), root / "shards", 32, 50, val_fraction=0.05, test_fraction=0.05)
+    return root / "shards"
+
+
+WHOLE_EPOCHS = ["trainer.limit_train_batches=1.0", "trainer.limit_val_batches=1.0",
+                "trainer.limit_test_batches=1.0", "trainer.max_epochs=2"]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_remote_folder_is_downloaded_once_per_node_whatever_the_ranks(
+    few_shards: Path, s3: str, s3_log: Path, base_args, log_dir: Path, nproc: int
+) -> None:
+    """2 whole epochs from an S3 server on 1 and on 2 processes (x 2 DataLoader workers):
+    every split's shards are each downloaded once (GETs = shards, 1.00x, not once per rank or
+    per epoch), and the node's cache goes with the run."""
+    url = upload(few_shards, f"{s3}/shards")
+    args = [*base_args, *stream_args(url), *WHOLE_EPOCHS, "data.num_workers=2"]
+    code, out = finish(start(launcher(["-m", "project.train", *args], nproc), RUN_ID="s3"), 240)
+    assert code == 0, out[-3000:]
+    for split in SPLITS:
+        shards = len(read_index(f"{few_shards}/{split}")["shards"])
+        assert s3_gets(s3_log, f"{url}/{split}") == shards, split
+    assert not list(log_dir.rglob("shard_cache"))
+
+
+# feature:raw
+@pytest.mark.distributed
+def test_data_chars_stream_from_s3_trains_like_the_local_folder_in_both_trainers(
+    chars_shards: Path, s3: str, base_args, tmp_path: Path
+) -> None:
+    """2 processes x 2 DataLoader workers, shuffled, prefetching: the shards read from an S3
+    server give the local folder's loss at every step, in both trainers."""
+    url = upload(chars_shards, f"{s3}/chars")
+    losses = [run_trainer("project.train", [*base_args, *stream_args(chars_shards), *STREAM_2X2],
+                          tmp_path / "local", nproc=2)["losses"]]  # fmt: skip
+    for name, module in TRAINERS.items():
+        args = [*base_args, *stream_args(url), *STREAM_2X2]
+        losses.append(run_trainer(module, args, tmp_path / name, nproc=2)["losses"])
+    assert len(losses[0]) >= 30 and losses[0] == losses[1] == losses[2]
+
+
+# /feature:raw
+@pytest.mark.parametrize("how", ["credentials", "bucket", "shard"])
+def test_a_remote_folder_that_cannot_be_read_is_one_line(
+    few_shards: Path, s3: str, base_args, how: str
+) -> None:
+    """Bad credentials, a missing bucket, a missing shard: one line naming it, exit 2."""
+    import fsspec
+
+    url, env = f"{s3}/shards", dict[str, str]()
+    if how == "shard":
+        upload(few_shards, url)
+        fsspec.filesystem("s3").rm_file(f"{url}/train/shard-00003.npy".removeprefix("s3://"))
+        needles = [f"shard {url}/train/shard-00003.npy is missing, the index says"]
+    elif how == "bucket":
+        url = f"{s3}-missing/shards"
+        needles = [f"the shard folder {url}/train does not exist"]
+    else:
+        needles = [f"the shard folder {url}/train cannot be read (PermissionError", "credentials"]
+    with contextlib.ExitStack() as stack:
+        if how == "credentials":  # a server that checks keys, and knows none
+            env = stack.enter_context(s3_server(auth=True))
+        proc = run_script("train.py", [*base_args, *stream_args(url)], timeout=120, **env)
+    assert_one_line_error(proc, *needles)

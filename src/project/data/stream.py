@@ -117,6 +117,10 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         """Called as each iterator starts, with the shards it will read in the order it first
         reads them: a remote source fetches them ahead of use. Default: nothing."""
 
+    def release(self, shard: int) -> None:
+        """The iterator has read what it needed of `shard` for now (several are read at once:
+        a rank reads its lanes in turn): a remote source may let it go. Default: nothing."""
+
     # --- set by the machinery ----------------------------------------------------------------
     def shard(self, world: int, rank: int, batch_size: int, seed: int, pad: bool) -> None:
         """Read rank `rank` of `world`'s part, in batches of `batch_size`; `pad` (training):
@@ -182,11 +186,19 @@ class ShardedStream(SkipInEpoch, IterableDataset):
         mine = np.fromiter(self._positions(), dtype=np.int64)
         self.ahead(layout.shards_at(mine))
         opened: dict[int, Sequence[Any]] = {}
-        # A chunk at a time: the shards it reads stay open (a block of a lane spans several,
-        # and a rank reads its lanes in turn), the others are let go.
+        # Located a chunk at a time. A shard is opened when its first row is due (a remote one
+        # is downloaded then, or fetched ahead: never a chunk's worth before the first row)
+        # and let go after its last row of the chunk: a block of a lane spans several shards
+        # and a rank reads its lanes in turn, so several are open, never more than needed.
         for at in range(0, len(mine), CHUNK):
             shards, rows = layout.locate(mine[at : at + CHUNK])
-            opened = {s: opened[s] if s in opened else self.read(s)
-                      for s in dict.fromkeys(shards.tolist())}  # fmt: skip
-            for shard, row in zip(shards.tolist(), rows.tolist(), strict=True):
-                yield opened[shard][row]
+            shards = shards.tolist()
+            last = {shard: i for i, shard in enumerate(shards)}  # its last row in the chunk
+            for i, (shard, row) in enumerate(zip(shards, rows.tolist(), strict=True)):
+                elements = opened.get(shard)
+                if elements is None:
+                    elements = opened[shard] = self.read(shard)
+                yield elements[row]
+                if last[shard] == i:  # done with it for this chunk (reopened if needed)
+                    del opened[shard]
+                    self.release(shard)

@@ -6,19 +6,21 @@ reads them as a ShardedStream: each rank opens only its part of the shards, and 
 held in memory. With `data.shuffle=false` the windows come in the order `data=chars` reads
 them unshuffled, so the two give the same losses.
 
-A remote folder (`s3://...`) is copied shard by shard into <cache_dir>/rank<R>/ (the run
-folder's shard_cache: `${paths.output_dir}/shard_cache`) when a shard is first read, reused by
-every later epoch and DataLoader worker of the rank, and removed at the end of the run.
+A remote folder (`s3://...`) is copied shard by shard into the node's cache, `cache_dir` (the
+run folder's shard_cache: `${paths.output_dir}/shard_cache`, shared by the node's ranks and
+their DataLoader workers: project.data.remote.cache), `prefetch` shards ahead of the one read,
+reused by every later epoch and worker, and removed when the node's last rank exits.
 """
 
 from __future__ import annotations
 
 import atexit
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from project.data.shards import ShardCache, load_shard, read_index
+from project.data.remote.reading import RemoteReading
+from project.data.shards import ShardCache, load_shard, map_shard, read_index
 from project.data.source import SPLITS, DataSource
 from project.data.stream import ShardedStream
 from project.data.text import Windows
@@ -27,25 +29,74 @@ from project.engine.errors import UserError
 
 class TokenWindows(ShardedStream):
     """A split's shards of tokens; element i of a shard is window i (input, next tokens).
-    `cache`: where a remote folder's shards are copied (required for a URL)."""
+    `cache`: where a remote folder's shards are copied (required for a URL); `prefetch`: how
+    many shards after the one being read are downloaded in the background."""
 
-    def __init__(self, folder: str, index: dict[str, Any], cache: ShardCache | None = None) -> None:
+    def __init__(
+        self,
+        folder: str,
+        index: dict[str, Any],
+        cache: ShardCache | None = None,
+        prefetch: int = 2,
+    ) -> None:
         super().__init__([e["elements"] for e in index["shards"]])
         self.folder, self.entries, self.block_size = folder, index["shards"], index["block_size"]
-        self.cache = cache
+        self.cache, self.prefetch = cache, prefetch
+        self._reading: RemoteReading | None = None  # this iterator's remote reading
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "_reading": None}  # a worker starts its own (threads, locks)
+
+    def url(self, shard: int) -> str:
+        return f"{self.folder}/{self.entries[shard]['file']}"
+
+    def ahead(self, shards: list[int]) -> None:
+        if self.cache is None:
+            return
+        self.stop_reading()  # a previous iterator of this stream that was not read to its end
+        urls, sizes = [self.url(s) for s in shards], [self.entries[s]["bytes"] for s in shards]
+        self._reading = RemoteReading(self.cache, shards, urls, sizes, self.prefetch)
+
+    def release(self, shard: int) -> None:
+        if self._reading is not None:
+            self._reading.release(shard)
 
     def read(self, shard: int) -> Sequence[Any]:
-        tokens = load_shard(self.folder, self.entries[shard], self.cache, self.rank)
+        url, entry = self.url(shard), self.entries[shard]
+        if self._reading is None:  # a local folder (or a read outside an iterator)
+            tokens = load_shard(self.folder, entry, self.cache)
+        else:
+            tokens = map_shard(self._reading.read(shard, url, entry), url)
         return Windows(tokens, self.block_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from super().__iter__()
+        finally:  # exhausted, closed, or dropped by its loader: its thread and holds end too
+            self.stop_reading()
+
+    def stop_reading(self) -> None:
+        if self._reading is not None:
+            self._reading.stop()
+            self._reading = None
 
 
 class CharStream(DataSource):
     """Token shards of `folder`/{train,val,test}, written by project.data.prepare with windows
     of `block_size` (the model's context length reads it from the config, so it is checked).
-    `cache_dir`: where a remote folder's shards are copied, per rank (None: a new temp folder)."""
+    `cache_dir`: where a remote folder's shards are copied, one folder per node (None: a new
+    temp folder); `cache_limit_mb`: its size limit (None: none); `prefetch`: shards
+    downloaded ahead of the one read."""
 
-    def __init__(self, folder: str, block_size: int = 64, cache_dir: str | None = None) -> None:
-        self.folder = str(folder).rstrip("/")
+    def __init__(
+        self,
+        folder: str,
+        block_size: int = 64,
+        cache_dir: str | None = None,
+        cache_limit_mb: float | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        self.folder, self.prefetch = str(folder).rstrip("/"), int(prefetch)
         # Read and checked here: a missing or corrupt folder fails before any process starts.
         self.indexes = {split: read_index(f"{self.folder}/{split}") for split in SPLITS}
         for split, index in self.indexes.items():
@@ -55,24 +106,37 @@ class CharStream(DataSource):
                     f" but data.dataset.block_size={block_size}: set it to match, or prepare "
                     f"again with --block-size {block_size}"
                 )
+        if self.prefetch < 0:
+            raise UserError(f"data.dataset.prefetch={prefetch}: give 0 (no prefetch) or more")
+        if cache_limit_mb is not None and float(cache_limit_mb) <= 0:
+            raise UserError(
+                f"data.dataset.cache_limit_mb={cache_limit_mb}: give a size in MiB, or null "
+                "for no limit"
+            )
         self.cache: ShardCache | None = None
-        self.streams: list[TokenWindows] = []  # what teardown cleans up after
+        self.streams: list[TokenWindows] = []  # what teardown stops
         if "://" in self.folder:
-            self.cache = ShardCache(cache_dir or tempfile.mkdtemp(prefix="shard_cache-"))
-            # Also when the rank exits without reaching its trainer's teardown (an exception).
-            atexit.register(self.teardown)
+            root = cache_dir or tempfile.mkdtemp(prefix="shard_cache-")
+            self.cache = ShardCache(root, cache_limit_mb)
+            self.cache.join()  # the node's cache stays until its last user leaves
+            # At the rank's exit, not at a trainer's teardown: Lightning tears down after fit
+            # and again after test, and a rank leaving between the two could find itself last
+            # while another rank's test workers are only starting.
+            atexit.register(self.leave)
 
     def dataset(self, split: str) -> TokenWindows:
-        stream = TokenWindows(f"{self.folder}/{split}", self.indexes[split], self.cache)
-        self.streams.append(stream)  # its rank is known once the machinery shards it
+        stream = TokenWindows(f"{self.folder}/{split}", self.indexes[split], self.cache,
+                              self.prefetch)  # fmt: skip
+        self.streams.append(stream)
         return stream
 
+    def leave(self) -> None:
+        """This rank is done with the node's cache (at its exit); the last one out removes it."""
+        if self.cache is not None:
+            self.cache.leave()
+
     def teardown(self) -> None:
-        """Remove this rank's shard copies (its workers have ended by now) and those of ranks
-        beyond this world (left by a larger attempt killed before its teardown); never those
-        of another live rank. A stream no loader read (never sharded) says rank 0 for any
-        rank, so only sharded ones count."""
-        read = [stream for stream in self.streams if stream.sharded]
-        if self.cache is not None and read:
-            world = max(stream.world for stream in read)
-            self.cache.remove({stream.rank for stream in read} | self.cache.ranks_from(world))
+        """Stop this rank's readers (threads, held shards). The node's cache is left when the
+        rank exits: the last process of the node to leave removes it."""
+        for stream in self.streams:
+            stream.stop_reading()

@@ -24,6 +24,7 @@ from project.engine.errors import UserError
 # prefixes). Where the data lives and how it is loaded may change between attempts.
 IDENTITY = ("seed", "model", "data")
 NOT_IDENTITY = ("model.compile", "data.dataset.data_dir", "data.dataset.cache_dir",
+                "data.dataset.cache_limit_mb", "data.dataset.prefetch",
                 "data.num_workers", "data.pin_memory", "data.persistent_workers")  # fmt: skip
 ARCHITECTURE = ("model.net", "model.task")  # what must match for the weights to load at all
 

@@ -17,7 +17,7 @@ from project.engine import private_api
 from project.engine.config import typos
 from project.engine.config.compose import register_resolvers
 from project.engine.distributed.exits import fail, report_exit
-from project.engine.errors import UserError
+from project.engine.errors import UserError, from_worker
 from project.engine.run.console import quiet_hydra
 
 
@@ -46,7 +46,7 @@ def report_user_errors(fn: Callable[[], Any]) -> Any:
         cause: BaseException | None = err
         while cause is not None and not isinstance(cause, UserError):
             cause = cause.__cause__
-        fail(str(cause or typos.misspelt_override(err) or err))
+        fail(from_worker(str(cause or typos.misspelt_override(err) or err)))
 
 
 def run_cli(hydra_main: Callable[[], Any]) -> None:

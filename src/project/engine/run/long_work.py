@@ -9,7 +9,7 @@ longer, and no trainer hook announces it:
   (project.engine.lightning.strategy);
 - a torch.compile (re)compilation inside a step (a new shape, a guard that failed):
   torch.compile's compile callbacks announce it (`follow_compiles`);
-- a lazy download of a remote shard (project.data.shards: `ShardCache.downloading` is pointed
+- a remote shard a reader waits for (project.data.remote.cache: `ShardCache.downloading` is pointed
   here when this module is imported: every training rank imports it, and the fork server
   preloads it for its workers, project.engine.data.worker_start).
 
@@ -85,7 +85,8 @@ def outside_steps(phase: int) -> None:
 
 
 def downloading(url: str) -> contextlib.AbstractContextManager[None]:
-    """Around a remote shard's download (project.data.shards.ShardCache)."""
+    """Around a remote shard's download, or a wait for one, that a reader cannot go on
+    without (project.data.remote.cache.ShardCache; background prefetches are not booked)."""
     return during(DOWNLOAD)
 
 
