@@ -267,7 +267,8 @@ def test_a_size_limit_evicts_what_no_reader_has_ahead_never_a_shard_in_use(
                          layout=one_at_a_time)  # fmt: skip
     assert same_batches(list(streamed), list(local))
     in_cache = [int(used) for _, _, used in fetches(tmp_path)]
-    assert len(in_cache) > 5 and max(in_cache) + size <= 5 * size, "\n".join(" ".join(f[1:]) for f in fetches(tmp_path))
+    log = "\n".join(" ".join(f[1:]) for f in fetches(tmp_path))  # url, bytes cached then
+    assert len(in_cache) > 5 and max(in_cache) + size <= 5 * size, log
     assert held.path.exists()  # never evicted while held
     assert sum(p.stat().st_size for p in cache.copies()) <= 5 * size
     held.release()
