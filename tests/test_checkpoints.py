@@ -278,3 +278,13 @@ def test_callbacks_changed_names_each_setting_and_only_those() -> None:
     assert line is not None and "\n" not in line
     assert "callbacks.early_stopping.patience: 3 then, 5 now" in line
     assert "callbacks.model_checkpoint: off then, on now" in line and "monitor" not in line
+    # Where checkpoints go follows the machine: a resume from another root is the same run.
+    from omegaconf import OmegaConf
+
+    from project.engine.checkpoints.resume import callbacks_record
+
+    here, there = ({"callbacks": {"model_checkpoint": {"dirpath": f"{root}/run/checkpoints",
+                                                       "monitor": "val/loss"}}}
+                   for root in ("/home/a", "/workspace"))  # fmt: skip
+    saved = callbacks_record(OmegaConf.create(here))
+    assert callbacks_changed(saved, callbacks_record(OmegaConf.create(there))) is None

@@ -130,6 +130,33 @@ def test_a_resume_at_any_position_reads_the_rest_of_the_epoch(world: int, start:
         assert len(resumed[rank]) == -(-(3200 - start) // world)
 
 
+class CountedReads(Classes):
+    """Classes that count `read` and `release` calls per shard (a read may decode a file)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads, self.open = collections.Counter(), set()
+
+    def read(self, shard: int) -> list[tuple[int, int]]:
+        self.reads[shard] += 1
+        self.open.add(shard)
+        return super().read(shard)
+
+    def release(self, shard: int) -> None:
+        self.open.remove(shard)
+
+
+@pytest.mark.parametrize("layout", [{}, {"lanes": 1, "shuffle_block": 1}])
+def test_each_shard_is_read_once_an_epoch_and_let_go(layout: dict) -> None:
+    """8 shards of 20,000 rows: a rank reads each of its shards once an epoch (it read some 40
+    times: let go at the end of each chunk of positions), and lets each go after its last row."""
+    stream = CountedReads(8, 20_000, **layout)
+    stream.shard(2, 1, 64, seed=7, pad=True)
+    rows = list(stream)
+    assert len(rows) == 80_000 and set(stream.reads.values()) == {1}, stream.reads
+    assert stream.open == set()
+
+
 def test_a_world_size_the_lanes_do_not_admit_is_one_line() -> None:
     assert [default_lanes(w) for w in (1, 2, 3, 4, 5, 8, 12, 64)] == [8, 8, 9, 8, 10, 8, 12, 64]
     assert admitted(12) == [1, 2, 3, 4, 6, 12]
@@ -215,3 +242,12 @@ def test_a_checkpoint_from_before_the_lanes_resumes_exactly_in_its_order(caplog)
     assert "keeps the shard-major order it was trained in" in caplog.text
     assert [pairs(b) for b in loader] == whole[3:]
     assert elastic.record(loader, 0, 4, 2, 1, cfg, elastic.asked(cfg))["lanes"] == [1]
+
+
+def test_an_elastic_jobs_default_lanes_admit_every_world_size_it_may_take(monkeypatch) -> None:
+    """NNODES=1:3 with 2 processes a node (project.launcher names 2, 4, 6): 12 lanes, not 8,
+    which a third node joining (6 processes) would have met with a refusal mid-run."""
+    assert default_lanes(2) == 8
+    monkeypatch.setenv("PROJECT_WORLD_SIZES", "2,4,6")
+    assert default_lanes(2) == default_lanes(6) == 12
+    assert all(12 % w == 0 for w in (2, 4, 6))

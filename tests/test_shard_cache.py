@@ -63,6 +63,7 @@ class Slow(CountedFetches):
         with open(local, "wb") as f:
             f.write(data[: len(data) // 2])
             f.flush()
+            Path(self.record, "started").touch()  # the test's reader starts now
             time.sleep(1.0)
             f.write(data[len(data) // 2 :])
         super().fetch(url, local)
@@ -172,9 +173,9 @@ def test_a_shard_another_process_fetches_is_waited_for_and_never_seen_cut(
     child.start()
     seen: set[int] = set()
     deadline = time.monotonic() + 60
-    while not fetches(tmp_path) and not target.exists() and time.monotonic() < deadline:
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    reader = CountedFetches(tmp_path / "cache", str(tmp_path))
+    reader, began = CountedFetches(tmp_path / "cache", str(tmp_path)), time.monotonic()
     waiting = threading.Thread(target=lambda: seen.add(len(np.load(reader.local_copy(
         f"{url}/{entry['file']}", entry)))))  # fmt: skip
     waiting.start()
@@ -182,9 +183,11 @@ def test_a_shard_another_process_fetches_is_waited_for_and_never_seen_cut(
         if target.exists():
             seen.add(-target.stat().st_size)
         time.sleep(0.005)
+    waited = time.monotonic() - began
     child.join(60)
     whole = len(np.load(small_shards / "train" / entry["file"]))
     assert child.exitcode == 0 and seen - {-entry["bytes"]} == {whole}
+    assert waited > 0.5, waited  # it waited for the download under way (a second's sleep)
     assert len(fetches(tmp_path)) == 1  # the reader waited instead of fetching it again
     assert not list((tmp_path / "cache").rglob("*.tmp"))
 
@@ -323,3 +326,20 @@ def test_a_download_failing_in_a_dataloader_worker_is_the_same_one_line(
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: shard shard-") and f"from file://{shards}/train/shard-" in err
     assert "after 4 tries (FileNotFoundError" in err and "Traceback" not in err
+
+
+def test_the_last_process_out_removes_only_what_the_cache_made(
+    small_shards: Path, tmp_path: Path
+) -> None:
+    """`cache_dir` may be a node's scratch folder holding other files: the last process out
+    removes its copies, locks and reader files, never the rest (it removed the whole folder)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "my_notes.txt").write_text("mine")
+    (scratch / "results").mkdir()
+    cache = ShardCache(scratch)
+    entry = read_index(f"{small_shards}/train")["shards"][0]
+    cache.local_copy(f"file://{small_shards}/train/{entry['file']}", entry)
+    assert cache.copies()
+    cache.leave()
+    assert sorted(p.name for p in scratch.iterdir()) == ["my_notes.txt", "results"]

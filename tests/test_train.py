@@ -207,3 +207,27 @@ def test_a_resume_with_other_callbacks_says_so(base_args, module) -> None:
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     said = [ln for ln in again.stdout.splitlines() if "callbacks differ" in ln]
     assert len(said) == 1 and "callbacks.early_stopping: off then, on now" in said[0], said
+
+
+def test_only_the_networks_own_shape_errors_are_taken_for_a_mismatch() -> None:
+    """The same torch text from the task's own code is a bug: it keeps its traceback."""
+    from torch import nn
+
+    from project.engine.errors import UserError
+    from project.engine.shared.shapes import checked_step
+    from project.tasks.task import Task
+
+    class Buggy(Task):
+        def step(self, batch, metrics):
+            self.net(batch[0])
+            return torch.zeros(3)[3]  # index 3 is out of bounds: the task's bug
+
+    class Plain(Task):
+        def step(self, batch, metrics):
+            return self.net(batch[0]).sum()
+
+    batch = (torch.zeros(4, 64), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(IndexError, match="out of bounds"):
+        checked_step(Buggy(nn.Linear(64, 2)), batch, {}, {"in_features": 64})
+    with pytest.raises(UserError, match=r"cannot be multiplied \(4x64 and 32x2\)"):
+        checked_step(Plain(nn.Linear(32, 2)), batch, {}, {"in_features": 32})

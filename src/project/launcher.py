@@ -118,6 +118,16 @@ def _rendezvous_line(err: BaseException, args: Any, ran: bool) -> str:
     )
 
 
+def elastic_world_sizes(args: Any) -> None:
+    """A range of nodes (NNODES=MIN:MAX): tell the workers every world size the job may take
+    (a stream's default lanes are a multiple of each: project.data.lanes)."""
+    low, _, high = str(args.nnodes).partition(":")
+    nproc = str(args.nproc_per_node)
+    if high and low.isdigit() and high.isdigit() and nproc.isdigit():
+        sizes = [n * int(nproc) for n in range(int(low), int(high) + 1)]
+        os.environ["PROJECT_WORLD_SIZES"] = ",".join(map(str, sizes))
+
+
 def launch(argv: list[str]) -> int:
     """Run torchrun with `argv`; returns the job's exit code (see the module docstring)."""
     # The store's C++ client prints its socket errors with 30-frame C++ stacks when a node
@@ -133,6 +143,7 @@ def launch(argv: list[str]) -> int:
     if cpp_level is None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     args = torchrun.parse_args(argv)
+    elastic_world_sizes(args)
     for name in EXTRA_SIGNALS:
         if name not in args.signals_to_handle:
             args.signals_to_handle += f",{name}"

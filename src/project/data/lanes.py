@@ -31,6 +31,7 @@ shard-major order streams had before the lanes (a checkpoint of that time resume
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,9 +42,16 @@ MIN_LANES = 8  # the default: at least this many lanes, a multiple of the world 
 SHUFFLE_BLOCK = 4096  # the default window of rows shuffled together in a lane
 
 
+WORLDS_ENV = "PROJECT_WORLD_SIZES"  # an elastic job's possible world sizes (project.launcher)
+
+
 def default_lanes(world: int) -> int:
-    """The least multiple of `world` that is >= MIN_LANES."""
-    return world * math.ceil(MIN_LANES / world)
+    """The least multiple of `world` that is >= MIN_LANES; in an elastic job (a range of
+    nodes), of every world size it may take, so that a node joining or leaving never meets
+    lanes it does not divide (its resume would be refused)."""
+    sizes = [int(w) for w in os.environ.get(WORLDS_ENV, "").split(",") if w.strip().isdigit()]
+    base = math.lcm(world, *sizes)
+    return base * math.ceil(MIN_LANES / base)
 
 
 def admitted(lanes: int) -> list[int]:
@@ -116,7 +124,7 @@ class Layout:
         around: training's padding)."""
         q = np.asarray(positions, dtype=np.int64) % max(self.total, 1)
         lane, index = q % self.lanes, q // self.lanes
-        if self.shuffle and self.block > 0:
+        if self.shuffle and self.block > 1:  # a block of one row is the identity
             index = self._block_shuffled(lane, index)
         row = self.lane_starts[lane] + index  # in the sequence of all rows
         k = np.searchsorted(self.starts, row, side="right") - 1

@@ -184,21 +184,23 @@ class ShardedStream(SkipInEpoch, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         layout = self.layout()
         mine = np.fromiter(self._positions(), dtype=np.int64)
-        self.ahead(layout.shards_at(mine))
+        shards = layout.locate(mine)[0]
+        _, first = np.unique(shards, return_index=True)
+        self.ahead([int(s) for s in shards[np.sort(first)]])
+        ids, from_end = np.unique(shards[::-1], return_index=True)
+        last = dict(zip(ids.tolist(), (len(mine) - 1 - from_end).tolist(), strict=True))
         opened: dict[int, Sequence[Any]] = {}
-        # Located a chunk at a time. A shard is opened when its first row is due (a remote one
-        # is downloaded then, or fetched ahead: never a chunk's worth before the first row)
-        # and let go after its last row of the chunk: a block of a lane spans several shards
-        # and a rank reads its lanes in turn, so several are open, never more than needed.
+        # A shard is opened when its first row is due (a remote one is downloaded then, or was
+        # fetched ahead) and let go after its last row of the epoch: read once, as before the
+        # lanes, while several are open at a time (a block of a lane spans several shards, and
+        # a rank reads its lanes in turn). Rows are located a chunk at a time.
         for at in range(0, len(mine), CHUNK):
-            shards, rows = layout.locate(mine[at : at + CHUNK])
-            shards = shards.tolist()
-            last = {shard: i for i, shard in enumerate(shards)}  # its last row in the chunk
-            for i, (shard, row) in enumerate(zip(shards, rows.tolist(), strict=True)):
+            chunk, rows = layout.locate(mine[at : at + CHUNK])
+            for i, (shard, row) in enumerate(zip(chunk.tolist(), rows.tolist(), strict=True)):
                 elements = opened.get(shard)
                 if elements is None:
                     elements = opened[shard] = self.read(shard)
                 yield elements[row]
-                if last[shard] == i:  # done with it for this chunk (reopened if needed)
+                if last[shard] == at + i:
                     del opened[shard]
                     self.release(shard)

@@ -31,6 +31,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -273,8 +274,23 @@ class ShardCache:
         if not self.root.is_dir():
             return
         with open(self.root / USERS, "a") as users:
-            if _try(users, fcntl.LOCK_EX):  # no other process uses it
-                shutil.rmtree(self.root, ignore_errors=True)
+            try:  # no other process uses it (without locks, nobody can tell: left as it is)
+                fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return
+            self._remove_own()
+
+    def _remove_own(self) -> None:
+        """What the cache made under `root`, nothing else: `cache_dir` may be a folder that
+        holds other files (a node's scratch space); it goes only if it is left empty."""
+        for entry in self.root.iterdir():
+            own_folder = entry.is_dir() and re.fullmatch(r".+-[0-9a-f]{12}", entry.name)
+            if own_folder or entry.name in (READERS, INCOMING):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name in (".room.lock", USERS):
+                entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
 
 
 def _reserved(incoming: Path) -> int:

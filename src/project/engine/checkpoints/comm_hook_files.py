@@ -25,6 +25,7 @@ from project.engine.distributed.comm_hooks.hook import (
     CommHook,
 )
 from project.engine.errors import UserError
+from project.engine.launch.env import resume_command
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ def save_state(hook: CommHook | None, last: Path, step: int) -> None:
         code = UNREADABLE
         text = (
             f"the PowerSGD state of rank {rank} could not be written to {path} "
-            f"({one_line(err)}): check the space and write access in {path.parent}, then run "
-            "the same command again (it resumes from the checkpoint before)"
+            f"({one_line(err)}): check the space and write access in {path.parent}, then "
+            f"resume with {resume_command()} (from the checkpoint before)"
         )
     codes, first = agreed(code, text, collective_device(hook))
     if max(codes) != OK:

@@ -222,7 +222,12 @@ class RemoteLast:
             return
         self.fs.pipe_file(self.manifest_path, json.dumps(self.manifest).encode())
         keep, prefix = self.folder(self.generation), f"{self.name}.g"
-        for old in self.fs.ls(self.root, detail=False):  # older saves, cut uploads
+        try:  # `last` is published: tidying that fails is a warning, not a failed save
+            olds = self.fs.ls(self.root, detail=False)
+        except Exception as err:
+            log.warning(f"older checkpoints under {self.root} are left: listing failed ({err})")
+            return
+        for old in olds:  # older saves, cut uploads
             name = old.rstrip("/").rpartition("/")[2]
             if name.startswith(prefix) and name != keep.rpartition("/")[2]:
                 with contextlib.suppress(OSError):  # someone else's tidying is no failure

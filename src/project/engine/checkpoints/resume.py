@@ -135,7 +135,11 @@ PRESENTATION = ("progress_bar", "model_summary", "lr_monitor")
 def callbacks_record(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The callbacks config a checkpoint records: {name: its settings, or None when off}."""
     callbacks = to_plain(cfg.get("callbacks")) or {}
-    return {k: v for k, v in callbacks.items() if k not in PRESENTATION}
+    # Where a callback writes follows the machine (paths.*): a resume elsewhere is the same run.
+    return {
+        name: {k: v for k, v in cb.items() if k != "dirpath"} if isinstance(cb, dict) else cb
+        for name, cb in callbacks.items() if name not in PRESENTATION
+    }  # fmt: skip
 
 
 def callbacks_changed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:

@@ -42,6 +42,7 @@ from project.engine.distributed.comm_hooks import CommHook
 from project.engine.distributed.signals import StopSignal
 from project.engine.errors import UserError
 from project.engine.launch.env import rank as launched_rank
+from project.engine.launch.env import resume_command
 
 # The one home of the fault-tolerance values: the config group's file. With the callback off
 # its stop-check keys still apply (a stop always saves); its save cadences do not.
@@ -175,8 +176,8 @@ class RunCheckpoints:
         except Exception as err:
             code, text = UNREADABLE, (
                 f"rank {rank} could not upload step {step}'s checkpoint to {self.remote.url} "
-                f"({one_line(err)}); {kept}: check the credentials and the bucket, then run "
-                "the same command again to resume"
+                f"({one_line(err)}); {kept}: check the credentials and the bucket, then "
+                f"resume with {resume_command()}"
             )  # fmt: skip
         codes, first = agreed(code, text, device)
         if max(codes) != OK:
@@ -187,7 +188,7 @@ class RunCheckpoints:
         except Exception as err:
             code, text = UNREADABLE, (
                 f"the manifest {self.where}.json could not be written ({one_line(err)}); "
-                f"{kept}: check the credentials, then run the same command again to resume"
+                f"{kept}: check the credentials, then resume with {resume_command()}"
             )  # fmt: skip
         codes, first = agreed(code, text, device)
         if max(codes) != OK:

@@ -211,6 +211,7 @@ def apply_layout(loaders: Any, position: Position | None, world: int) -> None:
         if lanes and sharding.stream_layout(loader)[0]:
             check_world(lanes, world, "resuming from the checkpoint")
             sharding.lay_out(loader, lanes, block)
+            sharding.say_layout(lanes, block)
             if not position.lanes:
                 _warn_once(
                     "the checkpoint was written before streams were laid out in lanes: this run "

@@ -145,6 +145,8 @@ def _stream(loader: DataLoader, stage: str, world: int, rank: int, seed: int) ->
             "data.persistent_workers=false"
         )
     stream.shard(world, rank, loader.batch_size or 1, seed, pad=stage == "train")
+    if stage == "train" and stream.shuffle:
+        say_layout(*stream.in_use())
     same_length_on_all_ranks(stream.total, stage)
     resumes_exactly()
     return _rebuild(loader, seed)  # for its private generator
@@ -288,6 +290,17 @@ def _order(loader: Any) -> Any:
 def lay_out(loader: Any, lanes: int, shuffle_block: int) -> None:
     """Lay `loader`'s stream out in `lanes` lanes and blocks of `shuffle_block` rows."""
     _order(loader).lay_out(lanes, shuffle_block)
+
+
+def say_layout(lanes: int, block: int) -> None:
+    """One line, once per layout, naming how a shuffled train stream reads its epoch (a new
+    run's order follows its lanes: the same global batches on their divisors only)."""
+    said = f"layout {lanes} {block}"
+    if said not in _warned:
+        _warned.add(said)
+        sizes = ", ".join(str(w) for w in range(1, lanes + 1) if lanes % w == 0)
+        log.info(f"The train stream is laid out in {lanes} lanes, shuffle_block {block} rows: "
+                 f"the same global batches on {sizes} process(es) (docs/data.md)")  # fmt: skip
 
 
 def stream_layout(loader: Any) -> tuple[int, int]:

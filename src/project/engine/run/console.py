@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,42 @@ def _full_width(renderable: Any) -> str:
     buffer = io.StringIO()
     rich.console.Console(file=buffer, width=4096, color_system=None).print(renderable)
     return "".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines())
+
+
+class _HoldBack(logging.Filter):
+    """On the root logger's handlers: keeps warnings back (each record once) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[int, logging.LogRecord] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        self.held.setdefault(id(record), record)
+        return False
+
+
+@contextlib.contextmanager
+def warnings_held_back() -> Iterator[Callable[[], None]]:
+    """Warnings logged inside come out when the yielded function is called (or the block
+    raises): a resize's warnings read after the config tree that is printed later."""
+    hold, handlers = _HoldBack(), list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(hold)
+
+    def release() -> None:
+        for handler in handlers:
+            handler.removeFilter(hold)
+        for record in hold.held.values():
+            logging.getLogger().handle(record)
+        hold.held.clear()
+
+    try:
+        yield release
+    except BaseException:
+        release()
+        raise
 
 
 def stopped_early(monitor: str, best: float | None, patience: int, epoch: int) -> str:

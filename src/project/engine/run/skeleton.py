@@ -35,6 +35,7 @@ from project.engine.distributed.exits import (
 from project.engine.distributed.ledger import Ledger
 from project.engine.errors import UserError
 from project.engine.launch.env import is_rank_zero, resume_command
+from project.engine.run.console import warnings_held_back
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
 
 if TYPE_CHECKING:
@@ -111,8 +112,10 @@ def run(
     if relaunched:
         relaunch(cfg, entry, output_dir, topology, list(hydra_cfg.overrides.task))
         return read_metrics(output_dir)
-    prepare(found, entry)  # the config tree first: the resize's warnings read after it
-    fit_world(found)
+    with warnings_held_back() as warn:  # the batch keys fitted first, warnings after the tree
+        fit_world(found)
+    prepare(found, entry)
+    warn()
     metrics = fit_and_test_then_stop(found, fit_and_test)
     if is_rank_zero():
         write_metrics(output_dir, metrics)

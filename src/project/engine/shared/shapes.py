@@ -9,6 +9,8 @@ the line names torch's shapes, the batch's and the sizes the network was built w
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,8 +18,11 @@ import torch
 
 from project.engine.errors import UserError
 
+log = logging.getLogger(__name__)
+
 # torch's messages for an input the network's sizes do not take (matmul, conv, broadcast,
-# embedding and cross-entropy indices).
+# embedding indices), counted only when raised inside the network's forward: the same texts
+# from the task's own code are bugs, and keep their traceback.
 MISMATCH = (
     "shapes cannot be multiplied",
     "must match the size of tensor",
@@ -25,19 +30,34 @@ MISMATCH = (
     "but got input of size",
     "to have the same size",
     "index out of range in self",
-    "is out of bounds",
 )
+# The loss's: a label the network has no output for (fewer classes than the data).
+TARGET = re.compile(r"Target -?\d+ is out of bounds")
 
 
 def checked_step(task: Any, batch: Any, metrics: Any, net: Mapping[str, Any]) -> torch.Tensor:
-    """`task.step(batch, metrics)`; a shape mismatch becomes one UserError line. (A try that
-    raises nothing costs nothing per step in Python 3.11.)"""
+    """`task.step(batch, metrics)`; a network that does not fit the data becomes one
+    UserError line, its traceback kept in the log file. (A try that raises nothing costs
+    nothing per step.)"""
     try:
         return task.step(batch, metrics)
     except (RuntimeError, IndexError) as err:
-        if not any(m in str(err) for m in MISMATCH):
+        text = str(err)
+        in_net = any(m in text for m in MISMATCH) and _raised_in(err, task.net)
+        if not (in_net or TARGET.match(text)):
             raise
+        log.debug("the step's error, in full", exc_info=err)
         raise UserError(mismatch_line(err, batch, net)) from err
+
+
+def _raised_in(err: BaseException, module: Any) -> bool:
+    """Whether `err` went through `module`'s own call (a frame whose `self` is it)."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_locals.get("self") is module:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def mismatch_line(err: BaseException, batch: Any, net: Mapping[str, Any]) -> str:
