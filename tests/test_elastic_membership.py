@@ -104,6 +104,16 @@ def wait_listening(port: int, timeout: float = 60) -> None:
     raise AssertionError(f"no rendezvous store on port {port} after {timeout}s")
 
 
+def saved_mid_epoch(log_dir: Path, node: Node, timeout: float = 90) -> None:
+    """Until the job wrote last.ckpt at step 20 (mid-epoch 0: a checkpoint to resume; the
+    cadence's saves are logged to train.log only)."""
+    train_log = log_dir / "train" / "runs" / "torchrun-elastic" / "train.log"
+    deadline = time.monotonic() + timeout
+    while not (train_log.exists() and "last.ckpt at step 20" in train_log.read_text()):
+        assert time.monotonic() < deadline, node.out()[-3000:]
+        time.sleep(0.05)
+
+
 def alive(pids: set[int]) -> list[str]:
     """The processes of `pids` still running, with their command lines (what was left)."""
     left = []
@@ -142,12 +152,7 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
     optimizer steps as two nodes would take), and trains every row of the interrupted epoch
     once from the checkpoint's position on."""
     host, other = elastic_node(), elastic_node()
-    # Mid-epoch 0, a last.ckpt to resume (the cadence's saves are logged to the file only).
-    train_log = log_dir / "train" / "runs" / "torchrun-elastic" / "train.log"
-    deadline = time.monotonic() + 90
-    while not (train_log.exists() and "last.ckpt at step 20" in train_log.read_text()):
-        assert time.monotonic() < deadline, host.out()[-3000:]
-        time.sleep(0.05)
+    saved_mid_epoch(log_dir, host)
     killed = other.kill()
     assert host.finish(timeout=150) == 0, host.out()[-4000:]
     resumed = host.first(RESUMED, after=killed)
@@ -180,11 +185,7 @@ def test_when_the_store_host_dies_the_survivor_says_so_in_one_line(elastic_node,
     It said so with two 30-frame C++ stacks and a start-up checklist ("a node was not
     started ..."); now one line names the store and its host, exit 1, nothing left."""
     host, other = elastic_node(), elastic_node()
-    train_log = log_dir / "train" / "runs" / "torchrun-elastic" / "train.log"
-    deadline = time.monotonic() + 90
-    while not (train_log.exists() and "last.ckpt at step 20" in train_log.read_text()):
-        assert time.monotonic() < deadline, other.out()[-3000:]
-        time.sleep(0.05)
+    saved_mid_epoch(log_dir, other)
     host.kill()
     assert other.finish(timeout=200) == 1, other.out()[-4000:]
     out = other.out()

@@ -170,29 +170,14 @@ class RunCheckpoints:
         device = comm_hook_files.agreement_device(device)
         before = self.remote.published_step()
         kept = f"`last` stays step {before}" if before is not None else "nothing is published"
-        code, text = OK, ""
-        try:
-            self.remote.upload(mine)
-        except Exception as err:
-            code, text = UNREADABLE, (
-                f"rank {rank} could not upload step {step}'s checkpoint to {self.remote.url} "
-                f"({one_line(err)}); {kept}: check the credentials and the bucket, then "
-                f"resume with {resume_command()}"
-            )  # fmt: skip
-        codes, first = agreed(code, text, device)
-        if max(codes) != OK:
-            raise UserError(first)
+        together(lambda: self.remote.upload(mine), lambda err: (
+            f"rank {rank} could not upload step {step}'s checkpoint to {self.remote.url} "
+            f"({one_line(err)}); {kept}: check the credentials and the bucket, then resume "
+            f"with {resume_command()}"), device)  # fmt: skip
         names = [self.last.name, *(p.name for p in hook_files if stateful)]
-        try:
-            self.remote.publish(step, names, writer=rank == 0)
-        except Exception as err:
-            code, text = UNREADABLE, (
-                f"the manifest {self.where}.json could not be written ({one_line(err)}); "
-                f"{kept}: check the credentials, then resume with {resume_command()}"
-            )  # fmt: skip
-        codes, first = agreed(code, text, device)
-        if max(codes) != OK:
-            raise UserError(first)
+        together(lambda: self.remote.publish(step, names, writer=rank == 0), lambda err: (
+            f"the manifest {self.where}.json could not be written ({one_line(err)}); {kept}: "
+            f"check the credentials, then resume with {resume_command()}"), device)  # fmt: skip
 
     def stop_signal(self) -> StopSignal:
         """The coordinated stop with this run's cadences (no save cadence with fault tolerance
@@ -266,3 +251,16 @@ class RunCheckpoints:
         """A resume from `last` needs the hook's files; from another checkpoint (ckpt_path)
         the hook may start afresh."""
         comm_hook_files.load_state(hook, Path(path), step, device, required=Path(path) == self.last)
+
+
+def together(action: Any, failure: Any, device: Any) -> None:
+    """`action()` on every rank; where it fails on any, every rank stops with one line (the
+    first failing rank's `failure(err)`), so no rank waits in a later collective alone."""
+    code, text = OK, ""
+    try:
+        action()
+    except Exception as err:
+        code, text = UNREADABLE, failure(err)
+    codes, first = agreed(code, text, device)
+    if max(codes) != OK:
+        raise UserError(first)
