@@ -229,7 +229,11 @@ def strip_mentions(text: str, without: set[str]) -> str:
             if all(not b.strip() or b.startswith("#") for b in rest[:end]):
                 continue
         out.append(block)
-    text = re.sub(r"\n{3,}", "\n\n", "".join(out))
+    # Blank lines left where blocks went are squeezed, but not inside fenced code (two blank
+    # lines before a class are what ruff's formatter, which reads docs' code too, wants).
+    parts = re.split(r"(^[ \t]*```.*?^[ \t]*```[ \t]*$)", "".join(out), flags=re.M | re.S)
+    text = "".join(p if p.lstrip().startswith("```") else re.sub(r"\n{3,}", "\n\n", p)
+                   for p in parts)  # fmt: skip
     # A table whose rows all went: its header and separator go too.
     return re.sub(r"^\|[^\n]*\|\n\|[ :|-]+\|\n(?!\|)", "", text, flags=re.M)
 

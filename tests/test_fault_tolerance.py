@@ -191,7 +191,7 @@ def test_killed_rank_without_restarts_ends_the_job(base_args, launcher) -> None:
     assert code != 0
     assert time.monotonic() - began < 90  # well inside strategy.timeout (600 s): no hang
     if launcher == "lightning":  # rank 0 survives its peer: the report names the dead rank
-        assert "hang report: the job failed" in out and "died (pid" in out, out[-3000:]
+        assert "hang report: rank 1 died: the job failed" in out and "died (pid" in out, out[-3000:]
 
 
 def test_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path) -> None:

@@ -107,7 +107,9 @@ def test_the_object_storage_recipes_need_no_shared_volume(v1_name: str, v2_name:
     (never a literal value), the endpoint optional (AWS itself without it)."""
     base, _ = node_commands(*PAIRS[0])
     old, _ = node_commands(v1_name, v2_name)
-    url = "s3://project-checkpoints/k8s-project-train"
+    job = manifest(v1_name)["metadata"]["name"]  # project-train, renamed in a generated copy
+    prefix = job.removesuffix("-train")
+    url = f"s3://{prefix}-checkpoints/k8s-{job}"
     local = f"paths.log_dir=/scratch/logs callbacks.fault_tolerance.dirpath={url}"
     assert old == base.replace("paths.log_dir=/shared/logs", local)
     for name in (v1_name, v2_name):
@@ -118,7 +120,7 @@ def test_the_object_storage_recipes_need_no_shared_volume(v1_name: str, v2_name:
         assert all("value" not in e for e in env) and set(refs) == {
             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"
         }, name  # fmt: skip
-        assert {r["name"] for r in refs.values()} == {"project-object-storage"}
+        assert {r["name"] for r in refs.values()} == {f"{prefix}-object-storage"}
         optional = [k for k, r in refs.items() if r.get("optional")]
         assert optional == ["AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"]
         assert all(r["key"] == k for k, r in refs.items())

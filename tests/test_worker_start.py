@@ -83,6 +83,9 @@ def worker_draws(rank: int) -> list[tuple[float, float]]:
     torch.manual_seed(0)  # what seed_everything does on every rank
     loader = plain_loader(Draws(), "val", batch_size=1, num_workers=2)
     loader.worker_init_fn = partial(seed_worker, rank=rank)  # as on that rank
+    # fork, whatever start method an earlier test left in this process: a fork server started
+    # elsewhere cannot import this test module to unpickle Draws (its workers exit at once)
+    loader.multiprocessing_context = "fork"
     return [(float(a), float(b)) for a, b in loader]
 
 

@@ -453,8 +453,9 @@ def verdict(rows: dict[int, dict[str, Any]]) -> list[str]:
         waiting = next((known[r]["pending"] for r in ahead if known[r].get("pending")), None)
         where = f" ({waiting['op']} {_sizes(waiting['sizes'])})" if waiting else ""
         if all(rows[r]["gone"] for r in behind):  # gone, not stuck: nothing to wait for
-            return [f"  => rank {_ranks(behind)} is gone before collective #{first}{where} that "
-                    f"rank {_ranks(ahead)} issued: the job cannot go on without it"]  # fmt: skip
+            return [f"  => rank {_ranks(behind)} never issued collective #{first}{where} that "
+                    f"rank {_ranks(ahead)} issued, and is gone: the job cannot go on without "
+                    "it (where it was: the frame shown)"]  # fmt: skip
         return [f"  => rank {_ranks(behind)} never issued collective #{first}{where} that rank "
                 f"{_ranks(ahead)} issued: the job waits for rank {_ranks(behind)}, at the "
                 "frame shown"]  # fmt: skip
