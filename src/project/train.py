@@ -58,6 +58,8 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
+        # nor Lightning's default ModelCheckpoint where the run writes no checkpoint (FSDP)
+        **({} if run.checkpoints.saves else {"enable_checkpointing": False}),
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))
