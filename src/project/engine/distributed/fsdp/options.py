@@ -54,7 +54,9 @@ class ShardOptions:
         # Gradients are reduced in float32 whatever the compute dtype: a sum over ranks in
         # bf16 loses the low bits that the optimizer's small updates live in.
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        # Pinned host memory needs an accelerator (on a CPU-only machine pinning fails).
+        pin = torch.accelerator.is_available()
+        offload = CPUOffloadPolicy(pin_memory=pin) if self.cpu_offload else OffloadPolicy()
         return {"reshard_after_forward": self.reshard_after_forward, "mp_policy": mp,
                 "offload_policy": offload}  # fmt: skip
 

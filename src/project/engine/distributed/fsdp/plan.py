@@ -15,6 +15,7 @@ e.g. embeddings and the head, which keeps tied weights together).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,6 +24,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from project.engine.errors import UserError
+
+log = logging.getLogger(__name__)
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -82,9 +85,12 @@ def shard(task: nn.Module, mesh: Any, blocks: Sequence[str] | None, **kwargs: An
         return
     check_parameters_in_net(task)
     units = named_blocks(net, blocks) if blocks else repeated_blocks(net)
+    kinds = ", ".join(sorted(Counter(type(u).__name__ for u in units)))  # before the renaming
     for unit in reversed(units):
         fully_shard(unit, mesh=mesh, **kwargs)
     fully_shard(net, mesh=mesh, **kwargs)
+    log.info(f"strategy=fsdp: {len(units)} blocks ({kinds or 'none'}) and the network sharded "
+             f"over {mesh.size()} ranks")  # fmt: skip
 
 
 @contextlib.contextmanager
