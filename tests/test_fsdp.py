@@ -148,8 +148,10 @@ def test_both_trainers_train_bitwise_alike_under_fsdp_and_as_ddp_does(base_args,
     finishes and writes its goodput."""
     fsdp = ["strategy=fsdp", *base_args, *DIGITS]
     lightning = run_trainer("project.train", fsdp, tmp_path / "lightning", nproc=2)
+    # feature:raw
     raw = run_trainer("project.raw_train", fsdp, tmp_path / "raw", nproc=2)
     assert len(raw["losses"]) == 20 and lightning["losses"] == raw["losses"]  # bitwise
+    # /feature:raw
     ddp = run_trainer("project.train", [*base_args, *DIGITS], tmp_path / "ddp", nproc=2)
     assert max_loss_diff(lightning["losses"], ddp["losses"]) <= FSDP_VS_DDP
     goodput = json.loads((tmp_path / "lightning" / "goodput.json").read_text())
@@ -157,6 +159,7 @@ def test_both_trainers_train_bitwise_alike_under_fsdp_and_as_ddp_does(base_args,
     assert "sharded over 2 ranks" in (tmp_path / "lightning" / "train.log").read_text()
 
 
+# feature:raw
 @pytest.mark.distributed
 def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path) -> None:
     args = ["strategy=fsdp", *base_args, *DIGITS, "trainer.accumulate_grad_batches=3",
@@ -167,8 +170,17 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
     assert len(raw["losses"]) >= 6 and lightning["losses"] == raw["losses"]
 
 
+# /feature:raw
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("module", ["project.train", "project.raw_train"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "project.train",
+        "project.raw_train",  # feature:raw
+    ],
+)
 def test_a_stop_under_fsdp_saves_nothing_and_says_so(base_args, tmp_path, module) -> None:
     """SIGTERM to the launcher: every rank stops after the same step, exit 143, one line that
     nothing was saved (no `resume with`), no checkpoint file anywhere."""
@@ -195,7 +207,7 @@ def test_a_hang_under_fsdp_names_its_all_gather_and_no_resume(base_args, log_dir
     args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=4", "test=false",
             "fault_injection.at_step=15", "fault_injection.rank=1", "strategy.step_timeout_s=5",
             "fault_injection.mode=hang"]  # fmt: skip
-    code, out = finish(start(launcher(["-m", "project.raw_train", *args]), RUN_ID="hang"), 240)
+    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="hang"), 240)
     assert code == EXIT_HUNG, out[-3000:]
     assert re.search(r"rank 1 never issued collective #\d+ \((all_gather|all_reduce)", out), out
     assert NOTHING_SAVED in out and "resume with RUN_ID" not in out, out[-3000:]
