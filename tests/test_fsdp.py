@@ -134,11 +134,23 @@ def test_a_checkpoint_callback_with_fsdp_stops_before_any_process_starts(base_ar
     assert "rank 1" not in out.stderr + out.stdout
 
 
-# --- full tier: 2 processes under torchrun ----------------------------------------------------
+# --- full tier: real runs ---------------------------------------------------------------------
+def test_one_process_trains_unsharded_with_its_checkpoints(base_args, tmp_path) -> None:
+    """Nothing is sharded on one process (as strategy=ddp has no wrapper there): the usual
+    checkpoints are written."""
+    args = [*base_args, "strategy=fsdp", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+            "trainer.limit_val_batches=1", "test=false", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    out = run_script("train.py", args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert "sharded over" not in (tmp_path / "train.log").read_text()
+
+
 DIGITS = [*FSDP, "trainer.max_epochs=2", "trainer.limit_train_batches=10",
           "trainer.limit_val_batches=2", "step_stats=true", *QUIET]  # fmt: skip
-# strategy=fsdp against strategy=ddp on digits, 2 processes (docs/launching.md has the figures)
-FSDP_VS_DDP = 1e-6
+# strategy=fsdp against strategy=ddp on digits, 2 processes: bitwise as measured (the other
+# figures, e.g. the language model's with clipping, are in docs/launching.md)
+FSDP_VS_DDP = 0.0
 
 
 @pytest.mark.distributed
