@@ -125,6 +125,15 @@ def test_the_shipped_config_with_bf16_and_offload_gives_fully_shards_options(com
 
 
 @pytest.mark.quick
+def test_a_hang_report_advises_no_resume_when_nothing_was_saved(monkeypatch) -> None:
+    from project.engine.distributed import exits, hangs
+
+    monkeypatch.setattr(exits, "_recorded", [NOTHING_SAVED])  # what the skeleton records
+    assert hangs.next_step(EXIT_HUNG).startswith(NOTHING_SAVED)
+    assert "resume with" not in hangs.next_step(EXIT_HUNG)
+
+
+# --- full tier: real runs ---------------------------------------------------------------------
 def test_a_checkpoint_callback_with_fsdp_stops_before_any_process_starts(base_args) -> None:
     """Lightning's own launcher would start rank 1: the refusal comes first, in one line."""
     out = run_script("train.py", [*base_args, "strategy=fsdp", "trainer.devices=2",
@@ -134,7 +143,6 @@ def test_a_checkpoint_callback_with_fsdp_stops_before_any_process_starts(base_ar
     assert "rank 1" not in out.stderr + out.stdout
 
 
-# --- full tier: real runs ---------------------------------------------------------------------
 def test_one_process_trains_unsharded_with_its_checkpoints(base_args, tmp_path) -> None:
     """Nothing is sharded on one process (as strategy=ddp has no wrapper there): the usual
     checkpoints are written."""
