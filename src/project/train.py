@@ -58,7 +58,8 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
-        # nor Lightning's default ModelCheckpoint where the run writes no checkpoint (FSDP)
+        # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
+        # that writes no checkpoint (strategy=fsdp on several processes, for now)
         **({} if run.checkpoints.saves else {"enable_checkpointing": False}),
     )
     for lg in loggers:

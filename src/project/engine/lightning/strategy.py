@@ -61,8 +61,9 @@ class DDPStrategy(LightningDDPStrategy):
 
 
 class FSDPStrategy(ModelParallelStrategy):
-    """FSDP2 (`fully_shard`) over a 1-D data-parallel mesh of the whole world (its group is the
-    default process group, whose collectives the step timeout and the hang report watch).
+    """FSDP2 (`fully_shard`) over the whole world: Lightning's mesh with data_parallel = world
+    size and tensor_parallel = 1, whose data-parallel dimension is the default process group
+    (torch 2.13), the one the step timeout and the hang report watch, as for DDP.
     TaskModule.configure_model shards the network with `shard`, as the raw trainer does.
     configs/strategy/fsdp.yaml explains the keys; project.engine.distributed.fsdp.options
     checked them before any process started. `data_parallel_size`: the world size, which
