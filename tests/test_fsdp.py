@@ -63,6 +63,7 @@ def test_the_default_plan_shards_each_repeated_block(net: nn.Module, expected) -
 def test_named_blocks_and_a_class_the_network_lacks() -> None:
     gpt = GPT(n_layer=2, d_model=16, n_head=2)
     assert [type(m).__name__ for m in named_blocks(gpt, ["Block"])] == ["Block"] * 2
+    assert len(named_blocks(gpt, "Block")) == 2  # strategy.blocks=Block, not a list
     with pytest.raises(UserError, match=r"strategy\.blocks names Blok, which model\.net \(GPT\)"):
         named_blocks(gpt, ["Blok"])
 

@@ -78,7 +78,7 @@ class FSDPStrategy(ModelParallelStrategy):
         timeout = timeout or datetime.timedelta(seconds=1800)  # torch's default
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
                          process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
-        self.blocks = list(blocks) if blocks else None
+        self.blocks = blocks or None
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
         self.timeout, self.step_timeout_s = timeout, step_timeout_s  # read by RunState
 

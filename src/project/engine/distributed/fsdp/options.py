@@ -118,7 +118,7 @@ def check_network(cfg: DictConfig) -> None:
     except Exception:
         return
     if blocks := cfg.strategy.get("blocks"):
-        named_blocks(task.net, list(blocks))
+        named_blocks(task.net, blocks)
     check_parameters_in_net(task)
 
 

@@ -54,6 +54,7 @@ def repeated_blocks(net: nn.Module) -> list[nn.Module]:
 def named_blocks(net: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     """Every module of `net` (not `net` itself) whose class is named in `names`, outermost
     first; a name no module of `net` has is refused (a typo would shard nothing)."""
+    names = [names] if isinstance(names, str) else list(names)  # strategy.blocks=Block
     present = {type(m).__name__ for m in net.modules()}
     if missing := [n for n in names if n not in present]:
         raise UserError(
