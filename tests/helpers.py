@@ -278,6 +278,16 @@ TORCHRUN_ARGS = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "step_st
                  *QUIET]  # fmt: skip
 
 
+# strategy=fsdp on several processes writes no checkpoint yet: these turn off what would
+FSDP = ["callbacks.model_checkpoint=null", "callbacks.fault_tolerance=null"]
+
+
+def max_loss_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    """The largest per-step loss difference of two runs of the same length."""
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
 @dataclass
 class Run:
     dir: Path  # the run folder

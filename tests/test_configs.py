@@ -81,11 +81,18 @@ def test_trainer_options(compose_train, option: str) -> None:
 
 @pytest.mark.parametrize("option", options("strategy"))
 def test_strategy_options(compose_train, option: str) -> None:
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from project.engine.distributed.fsdp import options as fsdp_options
 
     cfg = compose_train([f"strategy={option}"])
+    built = ddp.build_strategy(cfg.strategy, ddp.Topology(2, 1, None))
+    if option == "fsdp":  # its own check (tests/test_fsdp.py), and no checkpoints yet
+        fsdp_options.check(cfg, 2)
+        assert isinstance(built, ModelParallelStrategy)
+        return
     ddp.check_options(cfg.strategy, cfg.trainer)
-    assert isinstance(ddp.build_strategy(cfg.strategy, ddp.Topology(2, 1, None)), DDPStrategy)
+    assert isinstance(built, DDPStrategy)
 
 
 @pytest.mark.parametrize("option", options("callbacks"))

@@ -58,6 +58,9 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
+        # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
+        # that writes no checkpoint (strategy=fsdp on several processes, for now)
+        **({} if run.checkpoints.saves else {"enable_checkpointing": False}),
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from project.engine.distributed import hangs
 from project.engine.distributed.exits import EXIT_FAILED, fail
+from project.engine.distributed.fsdp import options as fsdp_options
 from project.engine.distributed.hangs import is_peer_failure, report_peer_failure
 from project.engine.errors import UserError
 from project.engine.launch.env import Launcher, detect_launcher
@@ -190,9 +191,12 @@ def check_options(
 
 
 def build_strategy(strategy_cfg: DictConfig | None, topology: Topology) -> Any:
-    """ "auto" (no DDP wrapper) for one process in total, else the configured DDPStrategy."""
+    """ "auto" (no DDP wrapper, nothing sharded) for one process in total, else the configured
+    DDPStrategy or FSDPStrategy (whose data-parallel size is the whole world)."""
     if topology.world_size == 1 or not strategy_cfg:
         return "auto"
+    if fsdp_options.chosen(strategy_cfg):
+        return instantiate(strategy_cfg, data_parallel_size=topology.world_size)
     return instantiate(strategy_cfg)
 
 

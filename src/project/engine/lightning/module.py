@@ -72,6 +72,10 @@ class TaskModule(DirectHookName, pl.LightningModule):
         if self.hparams.compile and not getattr(self, "_compiled", False):
             self.task.net.compile()
             self._compiled = True
+        # strategy=fsdp: the network's blocks and the network get fully_shard (idempotent).
+        shard = getattr(self.trainer.strategy, "shard", None)
+        if shard is not None:
+            shard(self.task)
 
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
         metrics = getattr(self, f"{stage}_metrics")

@@ -1,4 +1,7 @@
-"""Lightning's DDPStrategy with the template's two additions (`_target_` of configs/strategy/):
+"""The strategies of configs/strategy/: Lightning's DDPStrategy with the template's additions,
+and FSDPStrategy (FSDP2 over every rank, `strategy=fsdp`, at the end of this file).
+
+DDPStrategy's additions:
 
 - `comm_hook`: a gradient-communication hook (project.engine.distributed.comm_hooks) registered on
   every device; Lightning's own `ddp_comm_hook` is registered on CUDA only.
@@ -14,13 +17,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.comm_hooks import CommHook
+from project.engine.distributed.fsdp import plan
+from project.engine.distributed.fsdp.options import ShardOptions
 from project.engine.run import long_work
 
 
@@ -48,3 +58,40 @@ class DDPStrategy(LightningDDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if not ddp.UNUSED.search(str(exception)):
             super().on_exception(exception)
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (`fully_shard`) over the whole world: Lightning's mesh with data_parallel = world
+    size and tensor_parallel = 1, whose data-parallel dimension is the default process group
+    (torch 2.13), the one the step timeout and the hang report watch, as for DDP.
+    TaskModule.configure_model shards the network with `shard`, as the raw trainer does.
+    configs/strategy/fsdp.yaml explains the keys; project.engine.distributed.fsdp.options
+    checked them before any process started. `data_parallel_size`: the world size, which
+    build_strategy passes (the config cannot know it)."""
+
+    def __init__(
+        self, data_parallel_size: int, blocks: Sequence[str] | None = None,
+        reshard_after_forward: bool = True, cpu_offload: bool = False,
+        process_group_backend: str | None = None, timeout: datetime.timedelta | None = None,
+        step_timeout_s: float | None = None, start_method: str = "popen",
+    ) -> None:  # fmt: skip
+        timeout = timeout or datetime.timedelta(seconds=1800)  # torch's default
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
+        self.blocks = blocks or None
+        self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        self.timeout, self.step_timeout_s = timeout, step_timeout_s  # read by RunState
+
+    def shard(self, task: torch.nn.Module) -> None:
+        """`fully_shard` the task's network (idempotent: configure_model runs again for test)."""
+        strategy = {"reshard_after_forward": self.reshard_after_forward,
+                    "cpu_offload": self.cpu_offload}  # fmt: skip
+        options = ShardOptions.of(strategy, self.precision_plugin.precision)
+        plan.shard(task, self.device_mesh["data_parallel"], self.blocks, **options.kwargs())
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning's own holds gradients only for a DistributedDataParallel model: on the
+        # non-final batches of an accumulation window FSDP would reduce-scatter every time.
+        with plan.gradients_held(self.lightning_module.task.net):
+            yield

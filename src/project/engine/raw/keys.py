@@ -32,7 +32,8 @@ CONSUMED = {
     # data: the datamodule adapter's arguments
     "data._target_", "data._recursive_", "data.batch_size", "data.num_workers", "data.pin_memory",
     "data.persistent_workers", "data.shuffle", "data.lanes", "data.shuffle_block", "data.dataset.*",
-    # strategy: DistributedDataParallel / process-group options (checked by ddp.check_options)
+    # strategy: DistributedDataParallel or FSDP and process-group options (checked by
+    # ddp.check_options, distributed/fsdp/options.check)
     "strategy.*",
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.sync_batchnorm",
     "trainer.min_epochs", "trainer.max_epochs", "trainer.max_steps", "trainer.precision",

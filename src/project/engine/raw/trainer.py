@@ -8,6 +8,7 @@ Lightning's. What had to match for that is marked "parity:".
 | Lightning feature                                  | where it happens here                |
 |----------------------------------------------------|--------------------------------------|
 | Trainer(devices, num_nodes), DDPStrategy options   | `setup_distributed`, `wrap_model`     |
+| the template's FSDPStrategy (strategy=fsdp, FSDP2)   | `wrap_model`, `no_sync` (fsdp/plan.py) |
 | DDP comm hooks (the template's strategy.comm_hook) | `wrap_model`, raw/checkpointing.py    |
 | seed_everything, deterministic, benchmark          | `__init__` (raw/rng.py)               |
 | LightningDataModule prepare_data/setup, sampler    | `setup_data` (prepare once per node)  |
@@ -50,6 +51,8 @@ from project.engine.distributed import ddp, faults, hangs
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.ddp import CollectiveTimeout, Topology
 from project.engine.distributed.exits import Preempted, close_process_group
+from project.engine.distributed.fsdp import options as fsdp_options
+from project.engine.distributed.fsdp import plan
 from project.engine.errors import UserError
 from project.engine.launch import env
 from project.engine.raw import limits
@@ -159,6 +162,7 @@ class RawTrainer(Checkpointing):
         if self.on_gpu:
             torch.cuda.set_device(self.device)
         self.strategy = dict(to_plain(self.cfg.get("strategy")) or {})
+        self.fsdp = fsdp_options.chosen(self.strategy) and topology.world_size > 1
         hook = self.strategy.get("comm_hook")
         self.comm_hook = instantiate(hook) if hook and topology.world_size > 1 else None
         s = self.strategy
@@ -195,6 +199,16 @@ class RawTrainer(Checkpointing):
             self.task.net.compile()
         step = Step(self.task, self.cfg.model.net)
         if self.world == 1:
+            return step
+        if self.fsdp:  # no wrapper: fully_shard hooks the network's own forward and backward
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # one dimension over the whole world: the default group, as Lightning's mesh
+            mesh = init_device_mesh(
+                self.device.type, (self.world,), mesh_dim_names=("data_parallel",)
+            )
+            options = fsdp_options.ShardOptions.of(self.strategy, self.cfg.trainer.precision)
+            plan.shard(self.task, mesh, self.strategy.get("blocks"), **options.kwargs())
             return step
         not_ddp = ("_target_", "process_group_backend", "timeout", "start_method", "comm_hook",
                    "step_timeout_s")  # fmt: skip
@@ -294,9 +308,7 @@ class RawTrainer(Checkpointing):
     def backward(self, batch: Any, accumulate: int, sync: bool) -> torch.Tensor:
         """Forward + backward of one batch; gradients are all-reduced only when `sync`.
         Returns the batch's mean loss (detached)."""
-        no_sync = getattr(self.model, "no_sync", None)
-        context = contextlib.nullcontext() if sync or no_sync is None else no_sync()
-        with context:
+        with contextlib.nullcontext() if sync else self.no_sync():
             with self.autocast():
                 loss = self.model(batch, self.metrics["train"])
             # parity: Lightning divides by the accumulation count before backward.
@@ -307,6 +319,13 @@ class RawTrainer(Checkpointing):
         loss = loss.detach()
         self.metrics["train"]["loss"].update(loss, self.task.weight(batch))
         return loss
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Gradients held on this rank inside an accumulation window (DDP, FSDP), not synced."""
+        if self.fsdp:
+            return plan.gradients_held(self.task.net)
+        no_sync = getattr(self.model, "no_sync", None)
+        return contextlib.nullcontext() if no_sync is None else no_sync()
 
     def optimizer_step(self) -> None:
         self.ledger.mark(ledgers.OPTIMIZER, self.global_step)
@@ -334,10 +353,11 @@ class RawTrainer(Checkpointing):
         self.ledger.window_start()  # the window just ended counts for the deadline set now
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
-        if save or stop:
+        saves = self.checkpoints.saves  # none under strategy=fsdp on several processes yet
+        if (save or stop) and saves:
             self.save_last(say=stop)
         if stop:
-            raise Preempted(self.global_step, self.checkpoints.last)
+            raise Preempted(self.global_step, self.checkpoints.last if saves else None)
         self.ledger.mark(ledgers.STEP, self.global_step)
         if stragglers is not None:
             stragglers.window_start()

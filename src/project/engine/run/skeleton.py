@@ -28,6 +28,7 @@ from project.engine.config.schema import check_schema
 from project.engine.data.worker_start import configure_worker_start
 from project.engine.distributed.exits import (
     EXIT_PREEMPTED,
+    NOTHING_SAVED,
     Preempted,
     close_process_group,
     record_resume,
@@ -176,7 +177,7 @@ def prepare(run: Run, entry: EntryPoint) -> None:
     from project.engine.run.console import print_config_tree
 
     threads = ddp.configure_threads(run.topology)
-    ddp.check_options(run.cfg.get("strategy"), run.cfg.trainer, run.topology.world_size)
+    check_strategy(run)
     if is_rank_zero():
         tree_log = run.output_dir / "config_tree.log"  # a resumed run keeps its first record
         if tree_log.exists():  # once per run, not on every restart (the file keeps it)
@@ -189,6 +190,24 @@ def prepare(run: Run, entry: EntryPoint) -> None:
             f"launcher: {t.launcher.name if t.launcher else 'none'}, {threads} thread(s) per "
             "process"
         )
+
+
+def check_strategy(run: Run) -> None:
+    """The strategy's options against the hardware and the trainer's, before any process group.
+    FSDP on several processes writes and reads no checkpoint yet (the state is sharded)."""
+    from project.engine.distributed import ddp
+    from project.engine.distributed.fsdp import options as fsdp_options
+
+    strategy, world = run.cfg.get("strategy"), run.topology.world_size
+    if not fsdp_options.chosen(strategy):
+        ddp.check_options(strategy, run.cfg.trainer, world)
+        return
+    fsdp_options.check(run.cfg, world)
+    kept = {k: strategy.get(k) for k in ("process_group_backend", "timeout", "step_timeout_s")}
+    ddp.check_options(DictConfig(kept), run.cfg.trainer, world)  # the backend on this hardware
+    if world > 1:
+        fsdp_options.check_checkpoints(run.cfg, run.resume.path, run.checkpoints.had_last)
+        run.checkpoints.saves = False
 
 
 def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:
@@ -229,8 +248,8 @@ def fit_and_test_then_stop(
     from project.engine.run import goodput, watch
 
     how = ledgers.ENDED_FAILED
-    if is_rank_zero():
-        record_resume(resume_command())  # for the launcher's line, should it be stopped
+    # for the launcher's line, should it be stopped (every rank: its own hang report reads it)
+    record_resume(resume_command() if run.checkpoints.saves else NOTHING_SAVED)
     try:
         with errors_reported():
             metrics = fit_and_test(run)
@@ -241,10 +260,10 @@ def fit_and_test_then_stop(
             remote = run.checkpoints.remote is not None  # any machine resumes from its URL
             name = run.checkpoints.where if remote else getattr(stop.checkpoint, "name", "")
             saved = f"{name} is saved" if stop.checkpoint else "nothing saved"
-            log.info(
-                f"Stopped by a signal at step {stop.step}; {saved}. Resume with: "
-                f"{resume_command()}   (exit {EXIT_PREEMPTED})"
-            )
+            line = f"{saved}. Resume with: {resume_command()}"
+            if not run.checkpoints.saves:
+                line = NOTHING_SAVED
+            log.info(f"Stopped by a signal at step {stop.step}; {line}   (exit {EXIT_PREEMPTED})")
         close_process_group()  # every rank agreed to stop: the group is healthy
         sys.exit(EXIT_PREEMPTED)
     finally:

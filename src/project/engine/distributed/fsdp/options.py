@@ -1,0 +1,144 @@
+"""`strategy=fsdp` checked before any process group starts, and what `fully_shard` gets.
+
+`check` refuses, in one line each naming the option and the fix, what FSDP cannot do here:
+DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, another start
+method than popen, a `blocks` class the network lacks or parameters outside it, and (on
+several processes) checkpoints: the sharded checkpoint format comes separately, so until
+then such a run writes none and resumes from none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from project.engine.errors import UserError
+
+# DistributedDataParallel's options and the template's DDP hook: FSDP has no all-reduce buckets.
+DDP_ONLY = ("comm_hook", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+            "bucket_cap_mb", "broadcast_buffers", "forward_sync_buffers")  # fmt: skip
+KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "process_group_backend",
+        "timeout", "step_timeout_s", "start_method")  # fmt: skip
+PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
+NO_CHECKPOINTS = "sharded checkpoints come later"
+
+
+def chosen(strategy_cfg: Any) -> bool:
+    """Whether the `strategy` config is the template's FSDPStrategy (configs/strategy/fsdp.yaml)."""
+    return str((strategy_cfg or {}).get("_target_", "")).endswith(".FSDPStrategy")
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What every `fully_shard` call gets, from the strategy config and trainer.precision."""
+
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None  # bf16-mixed: gathered weights and compute in bf16
+    cpu_offload: bool = False
+
+    @classmethod
+    def of(cls, strategy: Any, precision: Any) -> ShardOptions:
+        return cls(
+            reshard_after_forward=bool(strategy.get("reshard_after_forward", True)),
+            param_dtype=PRECISIONS.get(str(precision)),
+            cpu_offload=bool(strategy.get("cpu_offload", False)),
+        )
+
+    def kwargs(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        # Gradients are reduced in float32 whatever the compute dtype: a sum over ranks in
+        # bf16 loses the low bits that the optimizer's small updates live in.
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        # Pinned host memory needs an accelerator (on a CPU-only machine pinning fails).
+        pin = torch.accelerator.is_available()
+        offload = CPUOffloadPolicy(pin_memory=pin) if self.cpu_offload else OffloadPolicy()
+        return {"reshard_after_forward": self.reshard_after_forward, "mp_policy": mp,
+                "offload_policy": offload}  # fmt: skip
+
+
+def check(cfg: DictConfig, world_size: int) -> None:
+    """Everything `strategy=fsdp` refuses that the config alone shows (the checkpoint rules:
+    `check_checkpoints`)."""
+    strategy = cfg.strategy
+    if ddp_only := [k for k in DDP_ONLY if strategy.get(k) not in (None, False)]:
+        raise UserError(
+            f"strategy.{ddp_only[0]} is a DDP option and strategy=fsdp has no all-reduce to "
+            "apply it to: drop it, or use strategy=ddp"
+        )
+    if unknown := sorted(set(strategy) - set(KEYS) - set(DDP_ONLY)):
+        raise UserError(
+            f"strategy.{unknown[0]} is not an FSDPStrategy option: check the spelling in "
+            "configs/strategy/fsdp.yaml"
+        )
+    precision = str(cfg.trainer.get("precision"))
+    if precision not in PRECISIONS:
+        raise UserError(
+            f"trainer.precision={precision} is not supported with strategy=fsdp (float16 "
+            "needs a gradient scaler that knows the shards): use bf16-mixed or 32-true"
+        )
+    if cfg.model.get("compile"):
+        raise UserError(
+            "model.compile=true is not supported with strategy=fsdp yet (compiling across "
+            "the sharded blocks is untested here): set model.compile=false"
+        )
+    callbacks = cfg.get("callbacks") or {}
+    sync_bn = [f"callbacks.{k}.sync_batchnorm" for k, v in callbacks.items()
+               if isinstance(v, (dict, DictConfig)) and v.get("sync_batchnorm")]  # fmt: skip
+    if cfg.trainer.get("sync_batchnorm"):
+        sync_bn.insert(0, "trainer.sync_batchnorm")
+    if sync_bn:
+        raise UserError(
+            f"{sync_bn[0]}=true is not supported with strategy=fsdp (SyncBatchNorm is a DDP "
+            "conversion): set it false, or use strategy=ddp"
+        )
+    start = strategy.get("start_method") or "popen"
+    if start != "popen":
+        raise UserError(
+            f"strategy.start_method={start}: strategy=fsdp starts ranks only as popen "
+            "(Lightning's ModelParallelStrategy): set strategy.start_method=popen or use torchrun"
+        )
+    check_network(cfg)
+
+
+def check_network(cfg: DictConfig) -> None:
+    """`blocks` and the parameters outside the network, on the network built on the meta
+    device (no memory, no random draws): a typo answers in a second, not after start-up. A
+    network that cannot be built there is checked when it is sharded."""
+    from project.engine.distributed.fsdp.plan import check_parameters_in_net, named_blocks
+    from project.tasks.task import build_task
+
+    try:
+        with torch.device("meta"):
+            task = build_task(cfg.model.task, cfg.model.net)
+    except Exception:
+        return
+    if blocks := cfg.strategy.get("blocks"):
+        named_blocks(task.net, blocks)
+    check_parameters_in_net(task)
+
+
+def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool) -> None:
+    """On several processes: no checkpoint is written or read yet (the state is sharded)."""
+    callbacks = cfg.get("callbacks") or {}
+    for name in ("model_checkpoint", "fault_tolerance"):
+        if callbacks.get(name) is not None:
+            raise UserError(
+                f"callbacks.{name} is not supported with strategy=fsdp on several processes "
+                f"({NO_CHECKPOINTS}): set callbacks.{name}=null"
+            )
+    if cfg.get("ckpt_path"):
+        raise UserError(
+            f"ckpt_path is not supported with strategy=fsdp on several processes "
+            f"({NO_CHECKPOINTS}): set ckpt_path=null"
+        )
+    if resume is not None or had_last:
+        raise UserError(
+            f"this run folder holds a checkpoint to resume, which strategy=fsdp on several "
+            f"processes cannot load ({NO_CHECKPOINTS}): start a new run (another RUN_ID), or "
+            "set auto_resume=false and delete it"
+        )
