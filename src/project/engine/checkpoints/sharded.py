@@ -128,8 +128,7 @@ def read_manifest(path: str, what: str) -> dict[str, Any]:
         manifest = json.loads(read_bytes(path))
     except (OSError, ValueError) as err:
         raise UserError(
-            f"{what}: the manifest {path} cannot be read ({short(err)}): move it away to start "
-            "over"
+            f"{what}: the manifest {path} cannot be read ({short(err)}): move it away to start over"
         ) from None
     keys = {"format", "step", "folder", "world"}
     if not isinstance(manifest, dict) or not keys <= set(manifest):
@@ -179,7 +178,8 @@ class ShardedLast:
         self.rank, self.world = world()
         # Checkpoint collectives on a gloo group of their own (see the module docstring).
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
-        self.pending: tuple[Future, int, str] | None = None  # an async save not yet published
+        # An async save not yet published: (its future, step, folder name, files ok, why not).
+        self.pending: tuple[Future, int, str, bool, str] | None = None
         if is_url(self.folder):
             self.fs, self.root = open_url(self.folder, "checkpoint folder")
         else:
@@ -230,10 +230,16 @@ class ShardedLast:
         optimizers = [optimizer] if optimizer is not None else []
         model_state, optim_state = get_state_dict(model, optimizers)
         state = {"model": model_state} | ({"optim": optim_state} if optimizer is not None else {})
-        if self.rank == 0:
-            atomic_save({"step": step, "world": self.world, "trainer": self.trainer,
-                         "common": common}, join(folder, COMMON))  # fmt: skip
-        self.write_own(folder, per_rank, step)
+        # A rank whose small files fail still takes part in DCP's collectives (skipping them
+        # would leave its peers waiting); the failure is said in the agreement before publishing.
+        ok, why = True, ""
+        try:
+            if self.rank == 0:
+                atomic_save({"step": step, "world": self.world, "trainer": self.trainer,
+                             "common": common}, join(folder, COMMON))  # fmt: skip
+            self.write_own(folder, per_rank, step)
+        except Exception as err:
+            ok, why = False, short(err)
         if asynchronous:
             # The caller waits for DCP's staging (a copy of the state in memory) only; the
             # write runs in DCP's thread, its collectives on our group.
@@ -241,13 +247,12 @@ class ShardedLast:
             if not isinstance(future, Future):  # a stager with a staging future of its own
                 future.staging_completion.result()
                 future = future.upload_completion
-            self.pending = (future, step, name)
+            self.pending = (future, step, name, ok, why)
         else:
-            ok, why = True, ""
             try:
                 dcp.save(state, checkpoint_id=folder, process_group=self.group)
             except Exception as err:
-                ok, why = False, short(err)
+                ok, why = False, why or short(err)
             self.publish(step, name, ok, why)
         return time.perf_counter() - start
 
@@ -259,13 +264,12 @@ class ShardedLast:
         """Finish an asynchronous save (every rank) and publish it; nothing when none."""
         if self.pending is None:
             return
-        future, step, name = self.pending
+        future, step, name, ok, why = self.pending
         self.pending = None
-        ok, why = True, ""
         try:
             future.result()
         except Exception as err:
-            ok, why = False, short(err)
+            ok, why = False, why or short(err)
         self.publish(step, name, ok, why)
 
     def publish(self, step: int, name: str, ok: bool, why: str) -> None:
