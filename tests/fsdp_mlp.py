@@ -13,6 +13,7 @@ resume on 1 process trains on the same samples. --out: rank 0 writes the final f
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import statistics
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from project.engine.checkpoints.sharded import ShardedLast
 from project.engine.checkpoints.state import rng_state, set_rng_state
+from project.engine.distributed.exits import close_process_group
 
 SLOTS = 2  # samples groups of one step, whatever the world size
 ROWS = 4  # rows per slot
@@ -163,7 +165,8 @@ def main() -> None:
     try:
         bench(args) if args.bench else train(args)
     finally:
-        dist.destroy_process_group()
+        gc.collect()  # the FSDP modules' cycles hold the group: gone before it is destroyed
+        close_process_group()
 
 
 if __name__ == "__main__":
