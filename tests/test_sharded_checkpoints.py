@@ -12,11 +12,56 @@ import torch
 
 from tests.helpers import assert_same_tensors, fsdp_mlp
 
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("sharded")]
+pytestmark = pytest.mark.xdist_group("sharded")  # the module's runs: built once
 
 DROPOUT = ["--dropout", "0.1"]  # each rank's RNG stream must be restored for a bitwise resume
 
 
+# --- no processes: bad input (the quick tier) ---------------------------------------------------
+@pytest.mark.quick
+def test_what_is_no_published_sharded_checkpoint_is_one_line(tmp_path: Path) -> None:
+    from project.engine.checkpoints.sharded import resolve
+    from project.engine.errors import UserError
+
+    manifest = tmp_path / "last.json"
+    cases = [
+        (None, "is not a sharded checkpoint (no .metadata and common.pt inside"),
+        ("{not json", "the manifest " + str(manifest) + " cannot be read (JSONDecodeError"),
+        ('{"step": 4}', "is not a manifest of sharded checkpoints (it lacks ['folder', 'format'"),
+        ('{"format": "zip", "step": 4, "folder": "x", "world": 2}', "publishes a 'zip' checkpoint"),
+        ('{"format": "dcp", "step": 4, "folder": "last-step4", "world": 2}',
+         "publishes last-step4, which is missing or incomplete"),
+    ]  # fmt: skip
+    for text, needle in cases:
+        if text is not None:
+            manifest.write_text(text)
+        with pytest.raises(UserError) as err:
+            resolve(tmp_path / "last", "ckpt_path")
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.quick
+def test_consolidate_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from project.consolidate import main
+
+    (tmp_path / "taken.pt").write_bytes(b"")
+    cases = [
+        ([str(tmp_path / "nothing"), str(tmp_path / "o.pt")], "is not a sharded checkpoint"),
+        ([str(tmp_path), str(tmp_path / "taken.pt")], "taken.pt exists: give a new file name"),
+        (["s3://bucket/run/last", str(tmp_path / "o.pt")], "is a URL: copy the save folder"),
+        ([str(tmp_path), str(tmp_path / "no" / "o.pt")], "is not a folder: create it first"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+        assert needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.pt"]  # nothing written
+
+
+# --- torchrun jobs (the full tier) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted runs, synchronous saves: with dropout (2 processes) and without."""
@@ -36,6 +81,7 @@ def published(folder: Path) -> dict:
     return json.loads((folder / "last.json").read_text())
 
 
+@pytest.mark.distributed
 def test_resume_on_the_same_world_size_is_bitwise(whole: dict[str, Path], tmp_path: Path) -> None:
     fsdp_mlp(tmp_path / "ckpt", *DROPOUT, "--exit-at", "5")
     assert published(tmp_path / "ckpt")["step"] == 4
@@ -47,6 +93,7 @@ def test_resume_on_the_same_world_size_is_bitwise(whole: dict[str, Path], tmp_pa
     )
 
 
+@pytest.mark.distributed
 def test_resume_on_one_process_reshards(whole: dict[str, Path], tmp_path: Path) -> None:
     """2 processes save, 1 loads: DCP reshards; the same samples, reduced in another order."""
     fsdp_mlp(tmp_path / "ckpt", "--exit-at", "4")
@@ -57,6 +104,7 @@ def test_resume_on_one_process_reshards(whole: dict[str, Path], tmp_path: Path) 
     print(f"largest difference after a 2 -> 1 resume: {worst:.2e}")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["sigkill", "exception"])
 def test_a_save_cut_midway_never_becomes_last(
     whole: dict[str, Path], tmp_path: Path, mode: str
@@ -80,6 +128,7 @@ def test_a_save_cut_midway_never_becomes_last(
     )
 
 
+@pytest.mark.distributed
 def test_async_saves_give_the_sync_result(whole: dict[str, Path], tmp_path: Path) -> None:
     """Interrupted at step 7: the async save of step 6 was written while step 7 trained
     (DCP staged a copy), and published at the end; the resume ends as the sync run."""
@@ -90,6 +139,7 @@ def test_async_saves_give_the_sync_result(whole: dict[str, Path], tmp_path: Path
     assert_same_tensors(weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "a.pt"))
 
 
+@pytest.mark.distributed
 def test_consolidate_gives_one_weights_only_file(whole: dict[str, Path], tmp_path: Path) -> None:
     from project.consolidate import main
 
