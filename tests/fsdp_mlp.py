@@ -7,7 +7,8 @@ with ShardedLast every K steps (sync or async), resumed from it when one is publ
 
 The global batch is 2 slots whatever the world size (rank r trains slots r, r+W, ...), so a
 resume on 1 process trains on the same samples. --out: rank 0 writes the final full weights.
---bench: the timings of docs/performance.md instead (one line of figures per rank 0).
+--bench save|load: the timings of docs/performance.md instead (medians of 3, printed by
+rank 0; `load` reads what `save` left in --folder, on any world size).
 """
 
 from __future__ import annotations
@@ -129,20 +130,24 @@ def bench(args: argparse.Namespace) -> None:
     nn.functional.mse_loss(model(x), x).backward()
     optimizer.step()
     params = sum(p.numel() for p in model.parameters())  # DTensors: their global sizes
-    figures = {}
+    figures, publish = {}, []
     for mode in ("sync", "async"):
         times = []
         for i in range(3):
             dist.barrier()
             times.append(last.save(i + 1, model, optimizer, {"step": i + 1}, {"rng": rng_state()},
                                    asynchronous=mode == "async"))  # fmt: skip
-            last.wait()
+            start = time.perf_counter()
+            last.wait()  # the write's end and the publication (a trainer: at its next save)
+            publish.append(time.perf_counter() - start) if mode == "async" else None
         figures[mode] = statistics.median(times)
     last.close()
     if rank == 0:
-        print(f"bench: {params:,} parameters on {dist.get_world_size()} processes: "
-              f"sync save blocked {figures['sync']:.3f} s, async save blocked "
-              f"{figures['async']:.3f} s")  # fmt: skip
+        print(
+            f"bench: {params:,} parameters on {dist.get_world_size()} processes: "
+            f"sync save blocked {figures['sync']:.3f} s, async save blocked "
+            f"{figures['async']:.3f} s (then wait+publish {statistics.median(publish):.3f} s)"
+        )
 
 
 def main() -> None:
