@@ -107,6 +107,33 @@ def train(args: argparse.Namespace) -> None:
         torch.save(full, args.out)
 
 
+def template(args: argparse.Namespace) -> None:
+    """The template's own LightningModule (configs/, the default model), sharded at the root,
+    one AdamW step (gradients of ones), saved as step 1 with its hyperparameters in `common`:
+    what consolidation must turn into a checkpoint train.py and eval.py take."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from project.engine.config.compose import CONFIG_DIR, register_resolvers, to_plain
+
+    register_resolvers()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["paths.data_dir=.", "paths.output_dir=."])
+    torch.manual_seed(0)
+    module = instantiate(cfg.model)
+    fully_shard(module)
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    last = ShardedLast(args.folder, "last", "lightning")
+    data = {k: v for k, v in to_plain(cfg.data).items() if not k.startswith("_")}
+    common = {"hyper_parameters": dict(module.hparams), "datamodule_hyper_parameters": data}
+    last.save(1, module, optimizer, common, {})
+    last.close()
+
+
 def bench(args: argparse.Namespace) -> None:
     """Blocked seconds of a sync and an async save, and a load's seconds, medians of 3."""
     rank = dist.get_rank()
@@ -165,10 +192,11 @@ def main() -> None:
     parser.add_argument("--fail-mode", choices=("sigkill", "exception"), default="sigkill")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--bench", choices=("save", "load"))
+    parser.add_argument("--template", action="store_true", help="save the template's module")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     try:
-        bench(args) if args.bench else train(args)
+        bench(args) if args.bench else template(args) if args.template else train(args)
     finally:
         gc.collect()  # the FSDP modules' cycles hold the group: gone before it is destroyed
         close_process_group()

@@ -7,9 +7,11 @@ CKPT is a save folder (<folder>/last-step40) or the `last` a manifest publishes
 (<folder>/last). OUT holds what the template's single-file Lightning checkpoints hold, so that
 `torch.load(OUT, weights_only=True)` reads it and eval.py, test or a DDP run's ckpt_path take
 it: `state_dict` (the weights, each key under --prefix, the LightningModule's attribute that
-holds the task: `task.`); with --optimizer also `optimizer_states` (the optimizer's state in
-torch's own layout, numbered by parameter order) and no `lr_schedulers` (a run started from
-it begins its schedule afresh). Bad input is one `error:` line, exit 2.
+holds the task: `task.`), the entries named in CARRIED where the save's `common` holds them
+(the network's and the data's config: eval.py needs them), and Lightning's version key; with
+--optimizer also `optimizer_states` (the optimizer's state in torch's own layout, numbered by
+parameter order) and no `lr_schedulers` (a run started from it begins its schedule afresh).
+Bad input is one `error:` line, exit 2.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from typing import Any
 
 from project.engine.errors import UserError
 
+CARRIED = (
+    "hyper_parameters",
+    "datamodule_hyper_parameters",
+    "project",
+)  # `common` entries copied into OUT as they are
 PREFIX = "task."  # the LightningModule's attribute that holds the task (engine/lightning/module)
 
 
@@ -36,6 +43,16 @@ def numbered(optim: dict[str, Any]) -> dict[str, Any]:
         groups.append({**group, "params": ids})
     state = {index[name]: value for name, value in optim["state"].items()}
     return {"state": state, "param_groups": groups}
+
+
+def lightning_version() -> dict[str, str]:
+    """The key Lightning reads first from any checkpoint it loads (its migration step)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return {"pytorch-lightning_version": version("lightning")}
+    except PackageNotFoundError:
+        return {}
 
 
 def consolidate(ckpt: str, out: Path, optimizer: bool, prefix: str) -> dict[str, Any]:
@@ -62,7 +79,11 @@ def consolidate(ckpt: str, out: Path, optimizer: bool, prefix: str) -> dict[str,
         full = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
         weights = {k if k.startswith(prefix) else f"{prefix}{k}": v
                    for k, v in full["model"].items()}  # fmt: skip
-        result: dict[str, Any] = {"state_dict": weights}
+        result: dict[str, Any] = {"state_dict": weights, **lightning_version()}
+        # What a Lightning checkpoint of the template carries beside the weights, where the
+        # saving trainer put it in `common`: the network's and data's configs (eval.py builds
+        # both from them) and the run's identity (a resume's checks read it).
+        result |= {k: common["common"][k] for k in CARRIED if k in common["common"]}
         if optimizer:
             if "optim" not in full:
                 raise UserError(f"CKPT={ckpt} holds no optimizer state: leave out --optimizer")
