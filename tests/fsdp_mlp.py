@@ -109,11 +109,14 @@ def train(args: argparse.Namespace) -> None:
 
 def template(args: argparse.Namespace) -> None:
     """The template's own LightningModule (configs/, the default model), sharded at the root,
-    one AdamW step (gradients of ones), saved as step 1 with its hyperparameters in `common`:
-    what consolidation must turn into a checkpoint train.py and eval.py take."""
+        one AdamW step (gradients of ones), saved as step 1 with what a Lightning checkpoint of the
+    template carries (hyperparameters, the run's identity) in `common`:
+        what consolidation must turn into a checkpoint train.py and eval.py take."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
+    from project.engine.checkpoints.resume import training_identity
+    from project.engine.checkpoints.state import project_state
     from project.engine.config.compose import CONFIG_DIR, register_resolvers, to_plain
 
     register_resolvers()
@@ -129,7 +132,8 @@ def template(args: argparse.Namespace) -> None:
     optimizer.step()
     last = ShardedLast(args.folder, "last", "lightning")
     data = {k: v for k, v in to_plain(cfg.data).items() if not k.startswith("_")}
-    common = {"hyper_parameters": dict(module.hparams), "datamodule_hyper_parameters": data}
+    common = {"hyper_parameters": dict(module.hparams), "datamodule_hyper_parameters": data,
+              "project": project_state(training_identity(to_plain(cfg)))}  # fmt: skip
     last.save(1, module, optimizer, common, {})
     last.close()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_same_tensors, fsdp_mlp
+from tests.helpers import assert_same_tensors, fsdp_mlp, run_script
 
 pytestmark = pytest.mark.xdist_group("sharded")  # the module's runs: built once
 
@@ -157,3 +157,23 @@ def test_consolidate_gives_one_weights_only_file(whole: dict[str, Path], tmp_pat
     optimizer.load_state_dict(both["optimizer_states"][0])
     first = optimizer.state[next(iter(net.parameters()))]
     assert len(optimizer.state) == 6 and int(first["step"]) == 8
+
+
+@pytest.mark.distributed
+def test_a_consolidated_template_module_is_taken_by_eval_and_train(
+    tmp_path: Path, base_args: list[str]
+) -> None:
+    """The template's own LightningModule sharded on 2 processes, saved, consolidated: eval.py
+    tests the weights-only file, and train.py starts a run from the --optimizer one."""
+    from project.consolidate import main
+
+    fsdp_mlp(tmp_path / "ckpt", "--template")
+    assert main([str(tmp_path / "ckpt" / "last"), str(tmp_path / "w.pt")]) == 0
+    proc = run_script("eval.py", [f"ckpt_path={tmp_path / 'w.pt'}", *base_args])
+    assert proc.returncode == 0 and "test/acc=" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert main([str(tmp_path / "ckpt" / "last"), str(tmp_path / "o.pt"), "--optimizer"]) == 0
+    args = [f"ckpt_path={tmp_path / 'o.pt'}", "trainer.max_epochs=1", "test=false",
+            "trainer.limit_train_batches=4", "trainer.limit_val_batches=1", *base_args]  # fmt: skip
+    proc = run_script("train.py", args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Restored all states from the checkpoint" in out, out[-3000:]
