@@ -146,7 +146,7 @@ def test_consolidate_gives_one_weights_only_file(whole: dict[str, Path], tmp_pat
     full = weights(whole["plain"].with_suffix(".pt"))  # gathered from the shards by FSDP
     assert main([str(whole["plain"] / "last"), str(tmp_path / "w.pt")]) == 0
     plain = torch.load(tmp_path / "w.pt", weights_only=True)
-    assert set(plain) == {"state_dict", "consolidated_from"}
+    assert set(plain) == {"state_dict", "consolidated_from", "pytorch-lightning_version"}
     assert_same_tensors({f"task.{k}": v for k, v in full.items()}, plain["state_dict"])
     assert main([str(whole["plain"] / "last-step8"), str(tmp_path / "o.pt"), "--optimizer"]) == 0
     both = torch.load(tmp_path / "o.pt", weights_only=True)

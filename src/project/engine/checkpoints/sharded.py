@@ -176,8 +176,10 @@ class ShardedLast:
     def __init__(self, folder: str | Path, name: str, trainer: str) -> None:
         self.folder, self.name, self.trainer = str(folder).rstrip("/"), name, trainer
         self.rank, self.world = world()
-        # Checkpoint collectives on a gloo group of their own (see the module docstring).
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        # Checkpoint collectives on a gloo group of their own (see the module docstring); on
+        # one process too: DCP's async save needs a group with a CPU backend.
+        distributed = dist.is_available() and dist.is_initialized()
+        self.group = dist.new_group(backend="gloo") if distributed else None
         # An async save not yet published: (its future, step, folder name, files ok, why not).
         self.pending: tuple[Future, int, str, bool, str] | None = None
         if is_url(self.folder):
