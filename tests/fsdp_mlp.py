@@ -183,7 +183,7 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", type=Path, required=True)
+    parser.add_argument("--folder", required=True, help="a local folder or an fsspec URL")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--exit-at", type=int, default=0)

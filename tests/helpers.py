@@ -469,10 +469,10 @@ def running(pid: int) -> bool:
 FSDP_MLP = ROOT / "tests" / "fsdp_mlp.py"
 
 
-def fsdp_mlp(folder: Path, *args: str, nproc: int = 2, ok: bool = True) -> tuple[int, str]:
+def fsdp_mlp(folder: Path | str, *args: str, nproc: int = 2, ok: bool = True) -> tuple[int, str]:
     """Run tests/fsdp_mlp.py under torchrun with `nproc` processes (1 too: it needs a process
-    group) saving into `folder`; (exit code, output). `ok`: it must exit 0 with every worker's
-    process groups closed."""
+    group) saving into `folder` (a path, or a URL as a string); (exit code, output). `ok`: it
+    must exit 0 with every worker's process groups closed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(FSDP_MLP), "--folder", str(folder), *args]  # fmt: skip
     code, out = finish(start(cmd, **(exit_check_env() if ok else {})), timeout=180)

@@ -177,3 +177,24 @@ def test_a_consolidated_template_module_is_taken_by_eval_and_train(
     proc = run_script("train.py", args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Restored all states from the checkpoint" in out, out[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_url_folder_saves_publishes_and_resumes(
+    whole: dict[str, Path], tmp_path: Path, s3: str
+) -> None:
+    """The same interrupted run with its folder on a real S3 server (moto): DCP writes and
+    reads through fsspec, the manifest is one object, the older save is removed."""
+    import fsspec
+
+    url = f"{s3}/run"
+    fsdp_mlp(url, *DROPOUT, "--exit-at", "5")
+    fs = fsspec.filesystem("s3")
+    assert json.loads(fs.cat_file(f"{url}/last.json"))["step"] == 4
+    _, out = fsdp_mlp(url, *DROPOUT, "--out", str(tmp_path / "resumed.pt"))
+    assert "resumed at step 4" in out
+    fs.invalidate_cache()
+    assert sorted(p.rpartition("/")[2] for p in fs.ls(url)) == ["last-step8", "last.json"]
+    assert_same_tensors(
+        weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "resumed.pt")
+    )
