@@ -473,3 +473,32 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+# The sharded-checkpoint tests' FSDP2 training (tests/fsdp_mlp.py): 8 steps, `last` every 2.
+FSDP_MLP = ROOT / "tests" / "fsdp_mlp.py"
+
+
+def fsdp_mlp(folder: Path | str, *args: str, nproc: int = 2, ok: bool = True) -> tuple[int, str]:
+    """Run tests/fsdp_mlp.py under torchrun with `nproc` processes (1 too: it needs a process
+    group) saving into `folder` (a path, or a URL as a string); (exit code, output). `ok`: it
+    must exit 0 with every worker's process groups closed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(FSDP_MLP), "--folder", str(folder), *args]  # fmt: skip
+    code, out = finish(start(cmd, **(exit_check_env() if ok else {})), timeout=180)
+    if ok:
+        assert code == 0, out[-4000:]
+        assert_groups_closed(out, nproc)
+    return code, out
+
+
+def assert_same_tensors(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0) -> float:
+    """The same keys and tensors (bitwise with atol=0); returns the largest difference."""
+    import torch
+
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    if atol == 0.0:
+        assert all(torch.equal(a[k], b[k]) for k in a), f"differ by up to {worst}"
+    assert worst <= atol, worst
+    return worst

@@ -6,9 +6,12 @@ Short real trainings through the real entry point (`python -m project.train`, on
 16-mixed precision, the one-line refusal of PowerSGD with fp16, `model.compile=true`, pinned
 memory, DataLoader workers from the fork server with CUDA, a run stopped by SIGTERM and resumed
 that ends bitwise equal to an uninterrupted one (dropout on, so the CUDA RNG state must be
-restored), and experiment=bench's throughput with an MFU estimate. One line per check,
-PASS or FAIL with its figure; exit 1 when any failed. Without CUDA: one line, exit 0 (CI).
-Each run's output is kept in --out (default: a fresh temporary folder) for a FAIL's details.
+restored), and experiment=bench's throughput with an MFU estimate; and an FSDP2 round trip:
+a 2-layer model sharded with `fully_shard`, one step, a sharded DCP checkpoint saved (sync
+and async) and loaded into a fresh model (`fsdp_round_trip`, which also runs on the CPU).
+One line per check, PASS or FAIL with its figure; exit 1 when any failed. Without CUDA: one
+line, exit 0 (CI). Each run's output is kept in --out (default: a fresh temporary folder)
+for a FAIL's details.
 """
 
 from __future__ import annotations
@@ -149,6 +152,70 @@ def check_bench(runs: Runs, peak_tflops: float) -> str:
     )
 
 
+def fsdp_round_trip(device: str, folder: Path) -> str:
+    """One process: a 2-layer model on `device` sharded with `fully_shard` (per layer and at
+    the root), one AdamW step, saved as a sharded checkpoint (ShardedLast: sync, then async)
+    and loaded into a freshly initialised copy, whose weights and optimizer state must then
+    equal the saved ones. Its own process group (a 1-rank one, gloo for the CPU side DCP's
+    async save needs), destroyed at the end."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from project.engine.checkpoints.sharded import ShardedLast
+
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 8)).to(device)  # fmt: skip
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    try:
+        model, optimizer = sharded(0)
+        model(torch.randn(16, 64, device=device)).square().mean().backward()
+        optimizer.step()
+        last = ShardedLast(folder, "last", "gpu-check")
+        blocked = [last.save(1, model, optimizer, {}, {}),
+                   last.save(2, model, optimizer, {}, {}, asynchronous=True)]  # fmt: skip
+        last.wait()
+        fresh, fresh_optimizer = sharded(1)
+        loaded = last.load(fresh, fresh_optimizer)
+        last.close()
+        want, got = (get_state_dict(m, [o], options=full) for m, o in
+                     ((model, optimizer), (fresh, fresh_optimizer)))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    if loaded is None or loaded.step != 2:
+        raise Failed(f"the async save was not published: loaded {loaded}")
+    flat = [(k, a, got[0][k]) for k, a in want[0].items()]
+    for name, state in want[1]["state"].items():
+        flat += [(f"{name}.{k}", v, got[1]["state"][name][k]) for k, v in state.items()]
+    differ = [k for k, a, b in flat if not torch.equal(a, b)]
+    if differ:
+        raise Failed(f"loaded state differs from the saved one in {differ}")
+    return (f"{len(flat)} tensors equal after a sharded save and load on {device} (blocked "
+            f"{blocked[0]:.2f} s sync, {blocked[1]:.2f} s async)")  # fmt: skip
+
+
+def check_fsdp(out: Path) -> str:
+    """fsdp_round_trip on the GPU, in a process of its own (its process group and NCCL)."""
+    code = ("import sys; from pathlib import Path; from project.gpu_check import "
+            "fsdp_round_trip; print(fsdp_round_trip('cuda', Path(sys.argv[1])))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, str(out / "fsdp")], capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    if proc.returncode != 0:
+        raise Failed(f"exit {proc.returncode}: {last_line(proc.stdout + proc.stderr)}")
+    return last_line(proc.stdout)
+
+
 def checks(runs: Runs, peak_tflops: float) -> list[tuple[str, Callable[[], str]]]:
     return [
         ("bf16-mixed training", lambda: trained(runs, "bf16", "trainer.precision=bf16-mixed")),
@@ -159,6 +226,7 @@ def checks(runs: Runs, peak_tflops: float) -> list[tuple[str, Callable[[], str]]
         ("fork-server workers with CUDA", lambda: trained(runs, "workers", *WORKERS)),
         ("resume bitwise equal (dropout, CUDA)", lambda: check_resume(runs)),
         ("bench throughput and MFU", lambda: check_bench(runs, peak_tflops)),
+        ("FSDP2 sharded checkpoint round trip", lambda: check_fsdp(runs.out)),
     ]
 
 

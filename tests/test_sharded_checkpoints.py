@@ -1,0 +1,200 @@
+"""Sharded checkpoints of FSDP2 models (project.engine.checkpoints.sharded) and their
+consolidation into one file (project.consolidate), with real torchrun jobs (gloo, CPU) of
+tests/fsdp_mlp.py: 8 steps of an MLP sharded per block, `last` every 2 steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import assert_same_tensors, fsdp_mlp, run_script
+
+pytestmark = pytest.mark.xdist_group("sharded")  # the module's runs: built once
+
+DROPOUT = ["--dropout", "0.1"]  # each rank's RNG stream must be restored for a bitwise resume
+
+
+# --- no processes: bad input (the quick tier) ---------------------------------------------------
+@pytest.mark.quick
+def test_what_is_no_published_sharded_checkpoint_is_one_line(tmp_path: Path) -> None:
+    from project.engine.checkpoints.sharded import resolve
+    from project.engine.errors import UserError
+
+    manifest = tmp_path / "last.json"
+    cases = [
+        (None, "is not a sharded checkpoint (no .metadata and common.pt inside"),
+        ("{not json", "the manifest " + str(manifest) + " cannot be read (JSONDecodeError"),
+        ('{"step": 4}', "is not a manifest of sharded checkpoints (it lacks ['folder', 'format'"),
+        ('{"format": "zip", "step": 4, "folder": "x", "world": 2}', "publishes a 'zip' checkpoint"),
+        ('{"format": "dcp", "step": 4, "folder": "last-step4", "world": 2}',
+         "publishes last-step4, which is missing or incomplete"),
+    ]  # fmt: skip
+    for text, needle in cases:
+        if text is not None:
+            manifest.write_text(text)
+        with pytest.raises(UserError) as err:
+            resolve(tmp_path / "last", "ckpt_path")
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.quick
+def test_consolidate_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from project.consolidate import main
+
+    (tmp_path / "taken.pt").write_bytes(b"")
+    cases = [
+        ([str(tmp_path / "nothing"), str(tmp_path / "o.pt")], "is not a sharded checkpoint"),
+        ([str(tmp_path), str(tmp_path / "taken.pt")], "taken.pt exists: give a new file name"),
+        (["s3://bucket/run/last", str(tmp_path / "o.pt")], "is a URL: copy the save folder"),
+        ([str(tmp_path), str(tmp_path / "no" / "o.pt")], "is not a folder: create it first"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+        assert needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.pt"]  # nothing written
+
+
+# --- torchrun jobs (the full tier) ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted runs, synchronous saves: with dropout (2 processes) and without."""
+    folder = tmp_path_factory.mktemp("whole")
+    runs = {}
+    for name, args in (("dropout", DROPOUT), ("plain", [])):
+        fsdp_mlp(folder / name, *args, "--out", str(folder / f"{name}.pt"))
+        runs[name] = folder / name
+    return runs
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def published(folder: Path) -> dict:
+    return json.loads((folder / "last.json").read_text())
+
+
+@pytest.mark.distributed
+def test_resume_on_the_same_world_size_is_bitwise(whole: dict[str, Path], tmp_path: Path) -> None:
+    fsdp_mlp(tmp_path / "ckpt", *DROPOUT, "--exit-at", "5")
+    assert published(tmp_path / "ckpt")["step"] == 4
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last-step4", "last.json"]
+    _, out = fsdp_mlp(tmp_path / "ckpt", *DROPOUT, "--out", str(tmp_path / "resumed.pt"))
+    assert out.count("resumed at step 4 saved by 2 (own True)") == 2, out[-3000:]
+    assert_same_tensors(
+        weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "resumed.pt")
+    )
+
+
+@pytest.mark.distributed
+def test_resume_on_one_process_reshards(whole: dict[str, Path], tmp_path: Path) -> None:
+    """2 processes save, 1 loads: DCP reshards; the same samples, reduced in another order."""
+    fsdp_mlp(tmp_path / "ckpt", "--exit-at", "4")
+    _, out = fsdp_mlp(tmp_path / "ckpt", "--out", str(tmp_path / "one.pt"), nproc=1)
+    assert "resumed at step 4 saved by 2 (own False)" in out, out[-3000:]
+    worst = assert_same_tensors(weights(whole["plain"].with_suffix(".pt")),
+                                weights(tmp_path / "one.pt"), atol=1e-6)  # fmt: skip
+    print(f"largest difference after a 2 -> 1 resume: {worst:.2e}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["sigkill", "exception"])
+def test_a_save_cut_midway_never_becomes_last(
+    whole: dict[str, Path], tmp_path: Path, mode: str
+) -> None:
+    """Rank 1 dies (or fails) in the save of step 6 after DCP wrote its shards: `last` stays
+    step 4, which the next run resumes from, ending bitwise as the uninterrupted run."""
+    folder = tmp_path / "ckpt"
+    code, out = fsdp_mlp(folder, *DROPOUT, "--fail-at", "6", "--fail-mode", mode, ok=False)
+    assert code != 0, out[-3000:]
+    assert published(folder) == {"format": "dcp", "step": 4, "folder": "last-step4",
+                                 "world": 2, "trainer": "test"}  # fmt: skip
+    assert (folder / "last-step4").is_dir() and (folder / "last-step6").is_dir()  # the leftover
+    if mode == "exception":  # every rank stops with the failing rank's line
+        assert out.count("rank 1 could not save step 6 (OSError: injected failure); `last` "
+                         "stays step 4") >= 2, out[-3000:]  # fmt: skip
+    _, out = fsdp_mlp(folder, *DROPOUT, "--out", str(tmp_path / "resumed.pt"))
+    assert "resumed at step 4" in out
+    assert sorted(p.name for p in folder.iterdir()) == ["last-step8", "last.json"]  # tidied
+    assert_same_tensors(
+        weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "resumed.pt")
+    )
+
+
+@pytest.mark.distributed
+def test_async_saves_give_the_sync_result(whole: dict[str, Path], tmp_path: Path) -> None:
+    """Interrupted at step 7: the async save of step 6 was written while step 7 trained
+    (DCP staged a copy), and published at the end; the resume ends as the sync run."""
+    fsdp_mlp(tmp_path / "ckpt", *DROPOUT, "--async", "--exit-at", "7")
+    assert published(tmp_path / "ckpt")["step"] == 6
+    _, out = fsdp_mlp(tmp_path / "ckpt", *DROPOUT, "--async", "--out", str(tmp_path / "a.pt"))
+    assert "resumed at step 6" in out
+    assert_same_tensors(weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "a.pt"))
+
+
+@pytest.mark.distributed
+def test_consolidate_gives_one_weights_only_file(whole: dict[str, Path], tmp_path: Path) -> None:
+    from project.consolidate import main
+
+    full = weights(whole["plain"].with_suffix(".pt"))  # gathered from the shards by FSDP
+    assert main([str(whole["plain"] / "last"), str(tmp_path / "w.pt")]) == 0
+    plain = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert set(plain) == {"state_dict", "consolidated_from", "pytorch-lightning_version"}
+    assert_same_tensors({f"task.{k}": v for k, v in full.items()}, plain["state_dict"])
+    assert main([str(whole["plain"] / "last-step8"), str(tmp_path / "o.pt"), "--optimizer"]) == 0
+    both = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert both["consolidated_from"]["step"] == 8 and both["lr_schedulers"] == []
+    # The optimizer state loads into a plain (unsharded) copy of the network.
+    net = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16)) for _ in range(3)))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    optimizer.load_state_dict(both["optimizer_states"][0])
+    first = optimizer.state[next(iter(net.parameters()))]
+    assert len(optimizer.state) == 6 and int(first["step"]) == 8
+
+
+@pytest.mark.distributed
+def test_a_consolidated_template_module_is_taken_by_eval_and_train(
+    tmp_path: Path, base_args: list[str]
+) -> None:
+    """The template's own LightningModule sharded on 2 processes, saved, consolidated: eval.py
+    tests the weights-only file, and train.py starts a run from the --optimizer one."""
+    from project.consolidate import main
+
+    fsdp_mlp(tmp_path / "ckpt", "--template")
+    assert main([str(tmp_path / "ckpt" / "last"), str(tmp_path / "w.pt")]) == 0
+    proc = run_script("eval.py", [f"ckpt_path={tmp_path / 'w.pt'}", *base_args])
+    assert proc.returncode == 0 and "test/acc=" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert main([str(tmp_path / "ckpt" / "last"), str(tmp_path / "o.pt"), "--optimizer"]) == 0
+    args = [f"ckpt_path={tmp_path / 'o.pt'}", "trainer.max_epochs=1", "test=false",
+            "trainer.limit_train_batches=4", "trainer.limit_val_batches=1", *base_args]  # fmt: skip
+    proc = run_script("train.py", args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Restored all states from the checkpoint" in out, out[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_url_folder_saves_publishes_and_resumes(
+    whole: dict[str, Path], tmp_path: Path, s3: str
+) -> None:
+    """The same interrupted run with its folder on a real S3 server (moto): DCP writes and
+    reads through fsspec, the manifest is one object, the older save is removed."""
+    import fsspec
+
+    url = f"{s3}/run"
+    fsdp_mlp(url, *DROPOUT, "--exit-at", "5")
+    fs = fsspec.filesystem("s3")
+    assert json.loads(fs.cat_file(f"{url}/last.json"))["step"] == 4
+    _, out = fsdp_mlp(url, *DROPOUT, "--out", str(tmp_path / "resumed.pt"))
+    assert "resumed at step 4" in out
+    fs.invalidate_cache()
+    assert sorted(p.rpartition("/")[2] for p in fs.ls(url)) == ["last-step8", "last.json"]
+    assert_same_tensors(
+        weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "resumed.pt")
+    )
