@@ -67,3 +67,26 @@ def test_lanes_command_prints_mixing_locality_and_the_block_trade_off() -> None:
     assert "W=64: 64 lanes; shards a rank reads 32 " in out, out
     assert "W=1000: 1000 lanes; shards a rank reads 2 " in out, out
     assert "        2000 | 16384 |" in out, out
+
+
+def test_memory_bench_counts_each_ranks_state_and_fsdp_shards_it() -> None:
+    small = ["model.net.n_layer=2", "model.net.d_model=128", "trainer.accelerator=cpu"]
+    proc = run_script("-m project.bench.memory", ["--nproc", "1", "2", "--steps", "4", *small],
+                      timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 10 and cells[1].isdigit():
+            rows[(cells[0], int(cells[1]))] = cells
+    assert set(rows) == {("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)}, proc.stdout
+    ddp, fsdp = rows[("ddp", 2)], rows[("fsdp", 2)]
+    # DDP keeps the whole state on every rank (the same as one process); FSDP keeps half of the
+    # parameters, gradients and AdamW state (padding rounds a shard up by a row at most).
+    assert ddp[2:6] == rows[("ddp", 1)][2:6]
+    for column in (2, 3, 4):
+        assert float(fsdp[column]) == pytest.approx(float(ddp[column]) / 2, rel=0.03), proc.stdout
+    assert fsdp[8] == "yes", proc.stdout
+    # One unit is one of the two blocks: under half of the network, over a quarter.
+    assert float(ddp[2]) / 4 < float(fsdp[7]) < float(ddp[2]) / 2, proc.stdout
+    assert float(ddp[9]) > 0 and float(fsdp[9]) > 0
