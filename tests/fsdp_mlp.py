@@ -55,8 +55,8 @@ def batch(step: int, rank: int, world: int, width: int) -> torch.Tensor:
 
 
 class Cut(ShardedLast):
-    """ShardedLast whose rank `rank` dies (or fails) at step `at`, after DCP wrote its shards
-    and before its own file: a save cut midway."""
+    """ShardedLast whose rank `rank` dies (or fails) at step `at` while writing its own file,
+    before DCP writes the shards: a save cut midway."""
 
     def __init__(self, *args, at: int, rank: int, mode: str) -> None:
         super().__init__(*args)

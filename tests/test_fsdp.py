@@ -19,6 +19,7 @@ from project.engine.distributed.exits import EXIT_HUNG, EXIT_PREEMPTED, NOTHING_
 from project.engine.distributed.fsdp import options as fsdp_options
 from project.engine.distributed.fsdp.plan import (
     check_parameters_in_net,
+    check_running_statistics,
     named_blocks,
     repeated_blocks,
 )
@@ -36,6 +37,7 @@ from tests.helpers import (
     run_script,
     run_trainer,
     start,
+    torchrun,
 )
 
 # --- quick: what is sharded, what is refused (no processes) ----------------------------------
@@ -76,6 +78,14 @@ def test_parameters_outside_the_network_are_refused() -> None:
         check_parameters_in_net(task)
 
 
+@pytest.mark.quick
+def test_running_statistics_are_refused_as_fsdp_does_not_synchronise_buffers() -> None:
+    check_running_statistics(MLP())
+    check_running_statistics(nn.BatchNorm1d(4, track_running_stats=False))
+    with pytest.raises(UserError, match=r"running statistics, and model.net has them \(1: Batch"):
+        check_running_statistics(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+
+
 FSDP_REFUSED = [
     (["+strategy.find_unused_parameters=true"], "strategy.find_unused_parameters is a DDP option"),
     (["+strategy.bucket_cap_mb=25"], "strategy.bucket_cap_mb is a DDP option"),
@@ -86,6 +96,11 @@ FSDP_REFUSED = [
     (["trainer.sync_batchnorm=true"], "trainer.sync_batchnorm=true is not supported"),
     (["strategy.start_method=spawn"], "strategy.start_method=spawn"),
     (["strategy.blocks=[Nope]"], "strategy.blocks names Nope"),
+    # Set at all is refused, also to false: no value of a DDP key means anything here.
+    (["+strategy.find_unused_parameters=false"], "strategy.find_unused_parameters is a DDP"),
+    (["+strategy.bucket_cap_mb=0"], "strategy.bucket_cap_mb is a DDP option"),
+    (["trainer.precision=bf16"], "trainer.precision=bf16 is not supported with strategy=fsdp: use"),
+    (["strategy.blocks=[MLP]"], "strategy.blocks names only MLP, the network itself"),
 ]
 
 
@@ -153,6 +168,18 @@ def test_one_process_trains_unsharded_with_its_checkpoints(base_args, tmp_path) 
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     assert "sharded over" not in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.distributed
+def test_a_module_whose_configure_model_shards_nothing_is_refused(base_args, tmp_path) -> None:
+    """Lightning checks only that configure_model is overridden: a rank per copy, never
+    synchronised, would otherwise train with exit 0."""
+    args = ["strategy=fsdp", *base_args, *FSDP, "model._target_=tests.user_model.OwnConfigureModel",
+            "trainer.max_epochs=1", "trainer.limit_train_batches=2", *QUIET]  # fmt: skip
+    cmd = torchrun(["-m", "project.train", *args, f"hydra.run.dir={tmp_path}"], 2)
+    code, out = finish(start(cmd), timeout=240)
+    assert code != 0, out[-3000:]
+    assert "OwnConfigureModel.configure_model did not shard the network" in out, out[-3000:]
 
 
 DIGITS = [*FSDP, "trainer.max_epochs=2", "trainer.limit_train_batches=10",

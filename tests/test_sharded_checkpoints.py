@@ -5,6 +5,7 @@ tests/fsdp_mlp.py: 8 steps of an MLP sharded per block, `last` every 2 steps."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,30 @@ def test_consolidate_refuses_bad_input_in_one_line(
 
 
 # --- torchrun jobs (the full tier) ---------------------------------------------------------------
+@pytest.mark.quick
+def test_a_consolidated_optimizer_starts_its_schedule_afresh() -> None:
+    from project.consolidate import numbered
+
+    # After 6 of 10 cosine epochs the saved groups hold a decayed lr: a run built on the file
+    # must begin at the schedule's start (its new scheduler scales whatever lr it is given).
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    saved = opt.state_dict()["param_groups"][0]
+    assert saved["lr"] < 5e-4
+    named = {"state": {}, "param_groups": [{**saved, "params": ["weight", "bias"]}]}
+    fresh = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+    restarted = torch.optim.lr_scheduler.CosineAnnealingLR(fresh, T_max=10)
+    fresh.load_state_dict(numbered(named))  # Lightning's order: scheduler built, then loaded
+    assert fresh.param_groups[0]["lr"] == 1e-3
+    fresh.step()
+    restarted.step()
+    assert fresh.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 + math.cos(math.pi / 10)) / 2)
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted runs, synchronous saves: with dropout (2 processes) and without."""
@@ -109,7 +134,7 @@ def test_resume_on_one_process_reshards(whole: dict[str, Path], tmp_path: Path) 
 def test_a_save_cut_midway_never_becomes_last(
     whole: dict[str, Path], tmp_path: Path, mode: str
 ) -> None:
-    """Rank 1 dies (or fails) in the save of step 6 after DCP wrote its shards: `last` stays
+    """Rank 1 dies (or fails) in the save of step 6, writing its own file: `last` stays
     step 4, which the next run resumes from, ending bitwise as the uninterrupted run."""
     folder = tmp_path / "ckpt"
     code, out = fsdp_mlp(folder, *DROPOUT, "--fail-at", "6", "--fail-mode", mode, ok=False)

@@ -398,3 +398,21 @@ def test_a_resume_at_an_epoch_boundary_draws_the_next_epochs_order_with_workers(
     assert all(e0 != e1 for e0, e1 in epochs)  # the orders differ: the check below can fail
     assert again == [e1 for _, e1 in epochs]
     assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs/cut")
+
+
+@pytest.mark.quick
+def test_unequal_eval_batches_are_refused_for_fsdp_with_sizes_that_work() -> None:
+    # 269 samples on 2 ranks are 135 and 134: in batches of 67 that is 3 batches and 2, and the
+    # rank with 3 would wait for good in an all-gather (every FSDP forward is one).
+    data = TensorDataset(torch.arange(269.0))
+    loaders = [shard_loader(DataLoader(data, batch_size=67), "val", 2, r, 0) for r in (0, 1)]
+    assert sorted(len(loader) for loader in loaders) == [2, 3]
+    with pytest.raises(UserError, match="gives 3 batches on some ranks and 2 on others") as e:
+        sharding.same_eval_batches({"a": loaders[0]}, "val")
+    sizes = [int(b) for b in e.value.args[0].split("batch size of ")[1].split(" (")[0].split(", ")]
+    assert sizes and 67 not in sizes
+    for size in sizes:  # every size offered gives both ranks as many batches
+        ranks = [shard_loader(DataLoader(data, batch_size=size), "val", 2, r, 0) for r in (0, 1)]
+        assert len(ranks[0]) == len(ranks[1])
+        sharding.same_eval_batches(ranks[0], "val")
+    sharding.same_eval_batches(shard_loader(DataLoader(data, batch_size=64), "val", 2, 0, 0), "val")

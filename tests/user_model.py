@@ -1,6 +1,7 @@
 """What users bring to a model: a network with a second head that `forward` never uses
 (what DDP without find_unused_parameters cannot train: tests/test_comm_hooks.py names its
-parameters), steps and saves slower than `strategy.step_timeout_s` (tests/test_hangs.py)."""
+parameters), steps and saves slower than `strategy.step_timeout_s` (tests/test_hangs.py), a
+module whose configure_model forgets the template's (tests/test_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from project.engine.lightning.module import TaskModule
 from project.models.mlp import MLP
 
 
@@ -48,3 +50,10 @@ class SlowToSave(MLP):
         if os.environ.get("RANK", "0") == "0":
             time.sleep(self.save_s)
         return super().state_dict(*args, **kwargs)
+
+
+class OwnConfigureModel(TaskModule):
+    """A module of one's own whose configure_model does not call the template's."""
+
+    def configure_model(self) -> None:
+        pass

@@ -40,7 +40,11 @@ def numbered(optim: dict[str, Any]) -> dict[str, Any]:
     groups = []
     for group in optim["param_groups"]:
         ids = [index.setdefault(name, len(index)) for name in group["params"]]
-        groups.append({**group, "params": ids})
+        # A run started from this file begins its schedule afresh: from the learning rate the
+        # schedule started at, not the one it had decayed to (Lightning loads these groups
+        # after building the new scheduler, which would scale the decayed rate again).
+        lr = {"lr": group["initial_lr"]} if "initial_lr" in group else {}
+        groups.append({**group, "params": ids, **lr})
     state = {index[name]: value for name, value in optim["state"].items()}
     return {"state": state, "param_groups": groups}
 

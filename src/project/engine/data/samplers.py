@@ -91,6 +91,12 @@ class EvalShardSampler(Sampler[int]):
     def __len__(self) -> int:
         return len(rank_positions(self.n, self.world, self.rank, mode="exact"))
 
+    def batches_per_rank(self, batch_size: int, drop_last: bool) -> list[int]:
+        """How many batches of `batch_size` each rank evaluates (they differ by one at most)."""
+        sizes = [len(rank_positions(self.n, self.world, r, mode="exact"))
+                 for r in range(self.world)]  # fmt: skip
+        return [n // batch_size if drop_last else -(-n // batch_size) for n in sizes]
+
 
 class PrivateRng:
     """Every random source a user's sampler may draw from, seeded with `seed` and kept apart

@@ -276,6 +276,32 @@ def flat(loaders: Any) -> list[Any]:
     return [loaders]
 
 
+def same_eval_batches(loaders: Any, stage: str) -> None:
+    """Under strategy=fsdp every forward is a collective (each unit's all-gather): a rank with
+    one more eval batch than its peers would wait for good in an all-gather they never issue.
+    Refused in one line, with the batch sizes that give every rank as many batches."""
+    for loader in flat(loaders):
+        sampler = getattr(loader, "sampler", None)
+        size = getattr(loader, "batch_size", None)
+        if not isinstance(sampler, EvalShardSampler) or not size:
+            continue
+        drop = loader.drop_last
+        counts = sampler.batches_per_rank(size, drop)
+        if len(set(counts)) == 1:
+            continue
+        fits = [b for b in range(max(1, size - 8), size + 9)
+                if len(set(sampler.batches_per_rank(b, drop))) == 1]  # fmt: skip
+        nearest = sorted(sorted(fits, key=lambda b: abs(b - size))[:4])
+        raise UserError(
+            f"strategy=fsdp runs a collective in every forward, so every rank must evaluate as "
+            f"many batches, but the {stage} data ({sampler.n} samples over {sampler.world} "
+            f"processes in batches of {size}) gives {max(counts)} batches on some ranks and "
+            f"{min(counts)} on others: use a {stage} batch size of "
+            f"{', '.join(map(str, nearest))} (data.batch_size for the shipped data), or "
+            "strategy=ddp"
+        )
+
+
 def _parts(loader: Any) -> list[Any]:
     """What may hold a loader's order: its batch sampler, sampler and dataset."""
     return [getattr(loader, name, None) for name in ("batch_sampler", "sampler", "dataset")]

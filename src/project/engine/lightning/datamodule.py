@@ -108,6 +108,8 @@ def shard_datamodule(
             trainer = datamodule.trainer
             world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
             loaders = sharding.shard_loaders(original(), stage, world, rank, seed)
+            if stage != "train" and world > 1 and hasattr(trainer.strategy, "shard"):
+                sharding.same_eval_batches(loaders, stage)  # strategy=fsdp
             if stage == "train":
                 loaders = combine_train(loaders)  # several: each resumed by its own count
             if stage == "train" and trainer is not None:

@@ -25,12 +25,14 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule
 
 from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.comm_hooks import CommHook
 from project.engine.distributed.fsdp import plan
 from project.engine.distributed.fsdp.options import ShardOptions
+from project.engine.errors import UserError
 from project.engine.run import long_work
 
 
@@ -88,6 +90,17 @@ class FSDPStrategy(ModelParallelStrategy):
                     "cpu_offload": self.cpu_offload}  # fmt: skip
         options = ShardOptions.of(strategy, self.precision_plugin.precision)
         plan.shard(task, self.device_mesh["data_parallel"], self.blocks, **options.kwargs())
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # Lightning only checks that configure_model is overridden: a subclass of the module
+        # that does not call ours would train a copy per rank, never synchronised.
+        net = getattr(self.lightning_module, "task", None)
+        if not isinstance(getattr(net, "net", None), FSDPModule):
+            raise UserError(
+                f"strategy=fsdp: {type(self.lightning_module).__name__}.configure_model did not "
+                "shard the network: call super().configure_model() in yours"
+            )
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:

@@ -189,6 +189,8 @@ class RawTrainer(Checkpointing):
                             self.rank, self.cfg.seed)
             for s in SPLITS
         }  # fmt: skip
+        for s in SPLITS[1:] if self.fsdp else ():
+            sharding.same_eval_batches(self.loaders[s], s)
 
     def wrap_model(self) -> nn.Module:
         """DDP with the options the Lightning strategy config sets (keys after start_method go

@@ -25,11 +25,13 @@ KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "process_g
         "timeout", "step_timeout_s", "start_method")  # fmt: skip
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
 NO_CHECKPOINTS = "sharded checkpoints come later"
+# Exactly the template's: Lightning's own FSDPStrategy (FSDP1) is another thing with that name.
+TARGET = "project.engine.lightning.strategy.FSDPStrategy"
 
 
 def chosen(strategy_cfg: Any) -> bool:
     """Whether the `strategy` config is the template's FSDPStrategy (configs/strategy/fsdp.yaml)."""
-    return str((strategy_cfg or {}).get("_target_", "")).endswith(".FSDPStrategy")
+    return (strategy_cfg or {}).get("_target_") == TARGET
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def check(cfg: DictConfig, world_size: int) -> None:
     """Everything `strategy=fsdp` refuses that the config alone shows (the checkpoint rules:
     `check_checkpoints`)."""
     strategy = cfg.strategy
-    if ddp_only := [k for k in DDP_ONLY if strategy.get(k) not in (None, False)]:
+    if ddp_only := [k for k in DDP_ONLY if k in strategy]:  # set at all, even to false
         raise UserError(
             f"strategy.{ddp_only[0]} is a DDP option and strategy=fsdp has no all-reduce to "
             "apply it to: drop it, or use strategy=ddp"
@@ -77,9 +79,12 @@ def check(cfg: DictConfig, world_size: int) -> None:
         )
     precision = str(cfg.trainer.get("precision"))
     if precision not in PRECISIONS:
+        why = " (float16 needs a gradient scaler that knows the shards)" * (
+            "16" in precision and "bf" not in precision
+        )
         raise UserError(
-            f"trainer.precision={precision} is not supported with strategy=fsdp (float16 "
-            "needs a gradient scaler that knows the shards): use bf16-mixed or 32-true"
+            f"trainer.precision={precision} is not supported with strategy=fsdp{why}: use "
+            "bf16-mixed or 32-true"
         )
     if cfg.model.get("compile"):
         raise UserError(
@@ -109,7 +114,11 @@ def check_network(cfg: DictConfig) -> None:
     """`blocks` and the parameters outside the network, on the network built on the meta
     device (no memory, no random draws): a typo answers in a second, not after start-up. A
     network that cannot be built there is checked when it is sharded."""
-    from project.engine.distributed.fsdp.plan import check_parameters_in_net, named_blocks
+    from project.engine.distributed.fsdp.plan import (
+        check_parameters_in_net,
+        check_running_statistics,
+        named_blocks,
+    )
     from project.tasks.task import build_task
 
     try:
@@ -120,6 +129,7 @@ def check_network(cfg: DictConfig) -> None:
     if blocks := cfg.strategy.get("blocks"):
         named_blocks(task.net, blocks)
     check_parameters_in_net(task)
+    check_running_statistics(task.net)
 
 
 def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool) -> None:

@@ -62,7 +62,25 @@ def named_blocks(net: nn.Module, names: Sequence[str]) -> list[nn.Module]:
             f"not contain: name classes it has ({', '.join(sorted(present))}), or leave "
             "strategy.blocks null to shard its repeated blocks"
         )
-    return [m for m in net.modules() if m is not net and type(m).__name__ in names]
+    chosen = [m for m in net.modules() if m is not net and type(m).__name__ in names]
+    if not chosen:  # only the root's own class: one unit, the whole model gathered at once
+        raise UserError(
+            f"strategy.blocks names only {type(net).__name__}, the network itself (always "
+            "sharded as the root): name the classes of its blocks, or leave strategy.blocks null"
+        )
+    return chosen
+
+
+def check_running_statistics(net: nn.Module) -> None:
+    """FSDP2 shards parameters only: buffers such as BatchNorm's running statistics would
+    drift apart per rank (DDP broadcasts rank 0's), and evaluation would differ by rank."""
+    if with_stats := [n for n, m in net.named_modules()
+                      if getattr(m, "running_mean", None) is not None]:  # fmt: skip
+        raise UserError(
+            f"strategy=fsdp does not synchronise running statistics, and model.net has "
+            f"them ({with_stats[0] or type(net).__name__}: BatchNorm with "
+            "track_running_stats): use strategy=ddp, or norms without running statistics"
+        )
 
 
 def check_parameters_in_net(task: nn.Module) -> None:
@@ -85,6 +103,7 @@ def shard(task: nn.Module, mesh: Any, blocks: Sequence[str] | None, **kwargs: An
     if isinstance(net, FSDPModule):
         return
     check_parameters_in_net(task)
+    check_running_statistics(net)
     units = named_blocks(net, blocks) if blocks else repeated_blocks(net)
     kinds = ", ".join(sorted(Counter(type(u).__name__ for u in units)))  # before the renaming
     for unit in reversed(units):
