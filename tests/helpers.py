@@ -382,14 +382,43 @@ def step_losses(run_dir: Path) -> list[float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, Any]:
-    """The network's weights in a run's last checkpoint, keyed alike for both trainers."""
+    """The network's weights in a run's last checkpoint, keyed alike for both trainers (a
+    sharded one gathered whole)."""
     import torch
 
     ckpt_dir = run_dir / "checkpoints"
+    if (ckpt_dir / SHARDED_RAW).is_file():  # the raw trainer's, sharded (strategy=fsdp)
+        return sharded_state(ckpt_dir / SHARDED_RAW)["model"]
     if (ckpt_dir / "last.pt").is_file():  # the raw trainer
         return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
     state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
     return {k.removeprefix("task."): v for k, v in state.items() if k.startswith("task.")}
+
+
+# The raw trainer's sharded `last` (strategy=fsdp on several processes): its manifest.
+SHARDED_RAW = "last-pt.json"
+
+
+def sharded_state(manifest: Path) -> dict[str, Any]:
+    """The whole state (model, optim) of the sharded save `manifest` publishes, gathered on
+    this process by DCP's own reader."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from project.engine.checkpoints.sharded import resolve
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(resolve(manifest, "test"), Path(tmp) / "whole.pt")
+        return torch.load(Path(tmp) / "whole.pt", weights_only=True)
+
+
+def sharded_entries(manifest: Path) -> dict[str, Any]:
+    """What the sharded save `manifest` publishes holds beside model and optimizer."""
+    from project.engine.checkpoints.sharded import COMMON, read_entries, resolve
+
+    return read_entries(str(Path(resolve(manifest, "test")) / COMMON))
 
 
 def assert_same_weights(a: Path, b: Path) -> None:

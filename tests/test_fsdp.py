@@ -5,11 +5,14 @@ offload and clipping, a stop that saves nothing and a hang naming FSDP's collect
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import signal
+import sys
 import time
 from pathlib import Path
+from subprocess import Popen
 
 import pytest
 import torch
@@ -29,12 +32,18 @@ from project.models.mlp import MLP
 from tests.helpers import (
     FSDP,
     QUIET,
+    SHARDED_RAW,
+    assert_same_weights,
+    final_weights,
     finish,
     launcher,
     max_loss_diff,
     one_error_line,
+    recorded_data,
+    recorded_reads,
     run_script,
     run_trainer,
+    sharded_entries,
     start,
 )
 
@@ -99,19 +108,39 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
 
 @pytest.mark.quick
 @pytest.mark.parametrize(
-    ("overrides", "resume", "needle"),
+    ("trainer", "overrides", "resume", "needle"),
     [
-        ([], None, "callbacks.model_checkpoint is not supported"),
-        (["callbacks.model_checkpoint=null"], None, "set callbacks.fault_tolerance=null"),
-        ([*FSDP, "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
-        (FSDP, Path("last.ckpt"), "start a new run"),
+        ("lightning", [], None, "callbacks.model_checkpoint is not supported"),
+        ("lightning", ["callbacks.model_checkpoint=null"], None,
+         "set callbacks.fault_tolerance=null"),
+        ("lightning", [*FSDP, "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
+        ("lightning", FSDP, Path("last.ckpt"), "start a new run"),
+        ("raw", [], None, "callbacks.model_checkpoint is not supported"),
+        ("raw", ["callbacks.model_checkpoint=null", "ckpt_path=x.pt"], None,
+         "set ckpt_path=null"),
+        ("raw", ["callbacks.model_checkpoint=null"], Path("last.pt"),
+         "last.pt is a one-file checkpoint"),
+        ("raw", ["callbacks.model_checkpoint=null",
+                 "callbacks.fault_tolerance.dirpath=s3://bucket/run"], None,
+         "writes its sharded `last` to a local (or shared) folder only"),
     ],
-)
-def test_checkpoints_on_several_processes_are_refused(compose_train, overrides, resume, needle):
+)  # fmt: skip
+def test_checkpoints_on_several_processes_are_refused(
+    compose_train, trainer, overrides, resume, needle
+) -> None:
+    """Lightning writes none yet; the raw trainer writes its `last` sharded, nothing else."""
     cfg = compose_train(["strategy=fsdp", *overrides])
     fsdp_options.check(cfg, 2)  # the rest is fine
     with pytest.raises(UserError, match=re.escape(needle)):
-        fsdp_options.check_checkpoints(cfg, resume, had_last=False)
+        fsdp_options.check_checkpoints(cfg, resume, had_last=False, trainer=trainer)
+
+
+@pytest.mark.quick
+def test_the_raw_trainers_last_is_sharded_under_fsdp(compose_train, tmp_path) -> None:
+    cfg = compose_train(["strategy=fsdp", "callbacks.model_checkpoint=null"])
+    assert fsdp_options.check_checkpoints(cfg, None, had_last=False, trainer="raw")
+    assert not fsdp_options.check_checkpoints(compose_train(["strategy=fsdp", *FSDP]), None,
+                                              had_last=False, trainer="lightning")  # fmt: skip
 
 
 @pytest.mark.quick
@@ -195,16 +224,11 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "module",
-    [
-        "project.train",
-        "project.raw_train",  # feature:raw
-    ],
-)
-def test_a_stop_under_fsdp_saves_nothing_and_says_so(base_args, tmp_path, module) -> None:
-    """SIGTERM to the launcher: every rank stops after the same step, exit 143, one line that
-    nothing was saved (no `resume with`), no checkpoint file anywhere."""
+def test_a_stop_under_fsdp_saves_nothing_and_says_so(base_args, tmp_path) -> None:
+    """Lightning (its checkpoints are not sharded yet). SIGTERM to the launcher: every rank
+    stops after the same step, exit 143, one line that nothing was saved (no `resume with`),
+    no checkpoint file anywhere."""
+    module = "project.train"
     args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=50", "test=false"]
     proc = start(launcher(["-m", module, *args, f"hydra.run.dir={tmp_path / 'run'}"]))
     log = tmp_path / "run" / ("train.log" if module == "project.train" else "raw_train.log")
@@ -233,3 +257,82 @@ def test_a_hang_under_fsdp_names_its_all_gather_and_no_resume(base_args, log_dir
     # rank 0 waits in the next forward's weight gather (the default group's Flight Recorder)
     assert re.search(r"rank 1 never issued collective #\d+ \(all_gather \[", out), out[-3000:]
     assert NOTHING_SAVED in out and "resume with RUN_ID" not in out, out[-3000:]
+
+
+# --- the raw trainer's sharded `last` (full tier) ---------------------------------------------
+# The CNN has dropout: an exact resume also needs every rank's RNG states back.
+SHARDED = ["strategy=fsdp", "callbacks.model_checkpoint=null", "test=false",
+           "callbacks.early_stopping=null", "callbacks.fault_tolerance.check_every_n_steps=2",
+           *QUIET]  # fmt: skip
+
+
+def job(args: list[str], run_id: str, nproc: int = 2, **env: str) -> Popen[str]:
+    """The raw trainer on `nproc` processes (1: plain python), into the run folder RUN_ID."""
+    target = ["-m", "project.raw_train", *args]
+    cmd = launcher(target, nproc) if nproc > 1 else [sys.executable, *target]
+    return start(cmd, RUN_ID=run_id, **env)
+
+
+@pytest.mark.distributed
+def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir) -> None:
+    """2 processes, strategy=fsdp: SIGTERM mid-epoch saves a sharded `last` (every rank its
+    shards, a manifest); the same command again resumes it mid-epoch and ends with the final
+    weights of the run that never stopped, bitwise; a third run finds it finished."""
+    args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=3"]
+    cut = [*args, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
+    whole, first = job(args, "whole"), job(cut, "cut")
+    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
+    assert code == 0, out[-3000:]
+    assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
+    runs = log_dir / "train" / "runs"
+    manifest = runs / "cut" / "checkpoints" / SHARDED_RAW
+    assert f"{manifest} is saved" in cut_out, cut_out[-3000:]
+    saved = json.loads(manifest.read_text())
+    assert saved["world"] == 2, saved
+    assert f"Stopped by a signal at step {saved['step']}" in cut_out, cut_out[-3000:]
+    folder = manifest.parent / saved["folder"]
+    assert {"rank0.pt", "rank1.pt", "common.pt", ".metadata"} <= {p.name for p in folder.iterdir()}
+    assert not list(runs.rglob("last.pt"))  # nothing one-file
+    code, out = finish(job(args, "cut"), 300)
+    assert code == 0 and "skipping" in out, out[-3000:]
+    assert_same_weights(runs / "whole", runs / "cut")
+    assert sharded_entries(manifest)["common"]["project"]["finished"]
+    code, out = finish(job(args, "cut"), 300)
+    assert code == 0 and "This run already finished" in out, out[-3000:]
+
+
+# Rows of tests.user_data.RecordedSource: 2 epochs of 12 steps of a global batch of 40.
+ROWS = 480
+
+
+@pytest.mark.distributed
+def test_a_sharded_last_continues_on_another_world_size(base_args, tmp_path, log_dir) -> None:
+    """Stopped in epoch 0 on 2 processes, continued on 1: the state reshards, the global batch
+    and every row of the epoch are kept once, the optimizer steps are those of the run that
+    never stopped and the final weights within float tolerance of its."""
+    args = [*base_args, *SHARDED, *recorded_data(tmp_path, ROWS),
+            "data.batch_size=20", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
+            "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
+    cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
+    whole, first = job(args, "whole", RECORD_TAG="whole"), job(cut, "cut", RECORD_TAG="first")
+    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
+    assert code == 0, out[-3000:]
+    assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
+    code, out = finish(job(args, "cut", nproc=1, RECORD_TAG="second"), 300)
+    assert code == 0 and "the global batch of 40 is kept" in out, out[-3000:]
+    assert "Resuming epoch 0" in out, out[-3000:]
+    runs = log_dir / "train" / "runs"
+    steps = [sharded_entries(runs / r / "checkpoints" / SHARDED_RAW)["step"]
+             for r in ("cut", "whole")]  # fmt: skip
+    assert steps[0] == steps[1] == 24, steps
+    first_reads, second = recorded_reads(tmp_path, "first"), recorded_reads(tmp_path, "second")
+    rest = [i for r in second for i in r[:-ROWS]]  # epoch 0's rest: before the 480 of epoch 1
+    counts = collections.Counter([i for r in first_reads for i in r] + rest)
+    assert set(counts) == set(range(ROWS)), sorted(set(range(ROWS)) - set(counts))[:10]
+    # Twice: the batch each rank had fetched when it stopped (read, never trained).
+    assert sum(counts.values()) - ROWS < 2 * 20 + 1, collections.Counter(counts.values())
+    a, b = final_weights(runs / "cut"), final_weights(runs / "whole")
+    largest = max(float((a[key] - b[key]).abs().max()) for key in a)
+    print(f"largest weight difference, 2 -> 1 processes, sharded: {largest:.1e}")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)

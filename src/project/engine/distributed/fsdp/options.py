@@ -3,8 +3,10 @@
 `check` refuses, in one line each naming the option and the fix, what FSDP cannot do here:
 DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, another start
 method than popen, a `blocks` class the network lacks or parameters outside it, and (on
-several processes) checkpoints: the sharded checkpoint format comes separately, so until
-then such a run writes none and resumes from none.
+several processes) the checkpoints not written sharded yet: the raw trainer's `last` is
+(project.engine.checkpoints.sharded, through engine/raw/checkpointing.py); Lightning's, the
+best-k checkpoints of `callbacks.model_checkpoint` and an explicit `ckpt_path` are not, so
+such a Lightning run writes none and resumes from none.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ DDP_ONLY = ("comm_hook", "find_unused_parameters", "static_graph", "gradient_as_
 KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "process_group_backend",
         "timeout", "step_timeout_s", "start_method")  # fmt: skip
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
-NO_CHECKPOINTS = "sharded checkpoints come later"
+NO_CHECKPOINTS = "only the raw trainer's `last` is sharded yet"
 
 
 def chosen(strategy_cfg: Any) -> bool:
@@ -122,10 +124,16 @@ def check_network(cfg: DictConfig) -> None:
     check_parameters_in_net(task)
 
 
-def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool) -> None:
-    """On several processes: no checkpoint is written or read yet (the state is sharded)."""
+def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool, trainer: str) -> bool:
+    """On several processes, what is not written sharded yet is refused (one line); returns
+    whether this run writes its `last` (sharded): the raw trainer's does, Lightning's not yet.
+    `trainer`: "raw" or "lightning"."""
+    from project.engine.checkpoints.remote import is_url
+    from project.engine.checkpoints.sharded import is_sharded
+
     callbacks = cfg.get("callbacks") or {}
-    for name in ("model_checkpoint", "fault_tolerance"):
+    refused = ("model_checkpoint",) if trainer == "raw" else ("model_checkpoint", "fault_tolerance")
+    for name in refused:
         if callbacks.get(name) is not None:
             raise UserError(
                 f"callbacks.{name} is not supported with strategy=fsdp on several processes "
@@ -136,9 +144,24 @@ def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool) -> N
             f"ckpt_path is not supported with strategy=fsdp on several processes "
             f"({NO_CHECKPOINTS}): set ckpt_path=null"
         )
-    if resume is not None or had_last:
+    if trainer != "raw":
+        if resume is not None or had_last:
+            raise UserError(
+                f"this run folder holds a checkpoint to resume, which strategy=fsdp on several "
+                f"processes cannot load ({NO_CHECKPOINTS}): start a new run (another RUN_ID), "
+                "or set auto_resume=false and delete it"
+            )
+        return False
+    dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
+    if is_url(dirpath):
         raise UserError(
-            f"this run folder holds a checkpoint to resume, which strategy=fsdp on several "
-            f"processes cannot load ({NO_CHECKPOINTS}): start a new run (another RUN_ID), or "
-            "set auto_resume=false and delete it"
+            f"callbacks.fault_tolerance.dirpath={dirpath}: strategy=fsdp on several processes "
+            "writes its sharded `last` to a local (or shared) folder only yet: give a folder"
         )
+    if resume is not None and not is_sharded(str(resume)):
+        raise UserError(
+            f"this run folder's {resume.name} is a one-file checkpoint, which strategy=fsdp on "
+            "several processes cannot load (it resumes sharded ones): resume it with the "
+            "strategy it was written with, or start a new run (another RUN_ID)"
+        )
+    return True
