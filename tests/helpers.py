@@ -387,8 +387,9 @@ def final_weights(run_dir: Path) -> dict[str, Any]:
     import torch
 
     ckpt_dir = run_dir / "checkpoints"
-    if (ckpt_dir / SHARDED_RAW).is_file():  # the raw trainer's, sharded (strategy=fsdp)
-        return sharded_state(ckpt_dir / SHARDED_RAW)["model"]
+    for manifest in (SHARDED_RAW, "last-ckpt.json"):  # sharded (strategy=fsdp)
+        if (ckpt_dir / manifest).is_file():
+            return sharded_state(ckpt_dir / manifest)["model"]
     if (ckpt_dir / "last.pt").is_file():  # the raw trainer
         return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
     state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
@@ -397,6 +398,12 @@ def final_weights(run_dir: Path) -> dict[str, Any]:
 
 # The raw trainer's sharded `last` (strategy=fsdp on several processes): its manifest.
 SHARDED_RAW = "last-pt.json"
+
+
+def sharded_manifest(module: str) -> str:
+    """The manifest of a trainer's sharded `last` (last.pt -> last-pt.json, last.ckpt ->
+    last-ckpt.json)."""
+    return SHARDED_RAW if module == "project.raw_train" else "last-ckpt.json"
 
 
 def sharded_state(manifest: Path) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from tests.helpers import (
     run_script,
     run_trainer,
     sharded_entries,
+    sharded_manifest,
     start,
 )
 
@@ -108,39 +109,28 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
 
 @pytest.mark.quick
 @pytest.mark.parametrize(
-    ("trainer", "overrides", "resume", "needle"),
+    ("overrides", "resume", "needle"),
     [
-        ("lightning", [], None, "callbacks.model_checkpoint is not supported"),
-        ("lightning", ["callbacks.model_checkpoint=null"], None,
-         "set callbacks.fault_tolerance=null"),
-        ("lightning", [*FSDP, "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
-        ("lightning", FSDP, Path("last.ckpt"), "start a new run"),
-        ("raw", [], None, "callbacks.model_checkpoint is not supported"),
-        ("raw", ["callbacks.model_checkpoint=null", "ckpt_path=x.pt"], None,
-         "set ckpt_path=null"),
-        ("raw", ["callbacks.model_checkpoint=null"], Path("last.pt"),
-         "last.pt is a one-file checkpoint"),
-        ("raw", ["callbacks.model_checkpoint=null",
-                 "callbacks.fault_tolerance.dirpath=s3://bucket/run"], None,
+        ([], None, "callbacks.model_checkpoint is not supported"),
+        (["callbacks.model_checkpoint=null", "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
+        (["callbacks.model_checkpoint=null"], Path("last.ckpt"),
+         "last.ckpt is a one-file checkpoint"),
+        (["callbacks.model_checkpoint=null",
+          "callbacks.fault_tolerance.dirpath=s3://bucket/run"], None,
          "writes its sharded `last` to a local (or shared) folder only"),
     ],
 )  # fmt: skip
-def test_checkpoints_on_several_processes_are_refused(
-    compose_train, trainer, overrides, resume, needle
-) -> None:
-    """Lightning writes none yet; the raw trainer writes its `last` sharded, nothing else."""
+def test_checkpoints_on_several_processes_are_refused(compose_train, overrides, resume, needle):
+    """Only the fault-tolerance `last` is sharded: best-k, a ckpt_path, a one-file `last` to
+    resume and a URL folder are one line each."""
     cfg = compose_train(["strategy=fsdp", *overrides])
     fsdp_options.check(cfg, 2)  # the rest is fine
     with pytest.raises(UserError, match=re.escape(needle)):
-        fsdp_options.check_checkpoints(cfg, resume, had_last=False, trainer=trainer)
-
-
-@pytest.mark.quick
-def test_the_raw_trainers_last_is_sharded_under_fsdp(compose_train, tmp_path) -> None:
-    cfg = compose_train(["strategy=fsdp", "callbacks.model_checkpoint=null"])
-    assert fsdp_options.check_checkpoints(cfg, None, had_last=False, trainer="raw")
-    assert not fsdp_options.check_checkpoints(compose_train(["strategy=fsdp", *FSDP]), None,
-                                              had_last=False, trainer="lightning")  # fmt: skip
+        fsdp_options.check_checkpoints(cfg, resume)
+    # the fault-tolerance `last` alone is fine
+    fsdp_options.check_checkpoints(
+        compose_train(["strategy=fsdp", "callbacks.model_checkpoint=null"]), None
+    )
 
 
 @pytest.mark.quick
@@ -266,38 +256,47 @@ SHARDED = ["strategy=fsdp", "callbacks.model_checkpoint=null", "test=false",
            *QUIET]  # fmt: skip
 
 
-def job(args: list[str], run_id: str, nproc: int = 2, **env: str) -> Popen[str]:
-    """The raw trainer on `nproc` processes (1: plain python), into the run folder RUN_ID."""
-    target = ["-m", "project.raw_train", *args]
+def job(
+    args: list[str], run_id: str, nproc: int = 2, module: str = "project.raw_train", **env: str
+) -> Popen[str]:
+    """A trainer on `nproc` processes (1: plain python), into the run folder RUN_ID."""
+    target = ["-m", module, *args]
     cmd = launcher(target, nproc) if nproc > 1 else [sys.executable, *target]
     return start(cmd, RUN_ID=run_id, **env)
 
 
 @pytest.mark.distributed
-def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir) -> None:
+@pytest.mark.parametrize(
+    "module",
+    [
+        "project.train",
+        "project.raw_train",  # feature:raw
+    ],
+)
+def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, module) -> None:
     """2 processes, strategy=fsdp: SIGTERM mid-epoch saves a sharded `last` (every rank its
     shards, a manifest); the same command again resumes it mid-epoch and ends with the final
     weights of the run that never stopped, bitwise; a third run finds it finished."""
     args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=3"]
     cut = [*args, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
-    whole, first = job(args, "whole"), job(cut, "cut")
+    whole, first = job(args, "whole", module=module), job(cut, "cut", module=module)
     (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
     assert code == 0, out[-3000:]
     assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
     runs = log_dir / "train" / "runs"
-    manifest = runs / "cut" / "checkpoints" / SHARDED_RAW
+    manifest = runs / "cut" / "checkpoints" / sharded_manifest(module)
     assert f"{manifest} is saved" in cut_out, cut_out[-3000:]
     saved = json.loads(manifest.read_text())
     assert saved["world"] == 2, saved
     assert f"Stopped by a signal at step {saved['step']}" in cut_out, cut_out[-3000:]
     folder = manifest.parent / saved["folder"]
     assert {"rank0.pt", "rank1.pt", "common.pt", ".metadata"} <= {p.name for p in folder.iterdir()}
-    assert not list(runs.rglob("last.pt"))  # nothing one-file
-    code, out = finish(job(args, "cut"), 300)
+    assert not list(runs.rglob("last.pt")) + list(runs.rglob("*.ckpt"))  # nothing one-file
+    code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "skipping" in out, out[-3000:]
     assert_same_weights(runs / "whole", runs / "cut")
     assert sharded_entries(manifest)["common"]["project"]["finished"]
-    code, out = finish(job(args, "cut"), 300)
+    code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "This run already finished" in out, out[-3000:]
 
 

@@ -147,8 +147,8 @@ class RunCheckpoints:
             self.resume_last = Path(resolve(self.sharded_manifest, "the run's last checkpoint"))
         self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
         self.finished = False  # set when training ends: `last` then says so
-        # False: this run writes no checkpoint at all, a stop neither (strategy=fsdp on several
-        # processes until sharded checkpoints come: project.engine.distributed.fsdp.options)
+        # False: this run writes no checkpoint at all, a stop neither (the skeleton may say so;
+        # strategy=fsdp on several processes writes its `last` sharded instead: `sharded`)
         self.saves = True
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
 

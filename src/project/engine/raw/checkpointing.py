@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from project.engine.checkpoints import sharded
-from project.engine.checkpoints.state import atomic_save
+from project.engine.checkpoints.state import atomic_save, plain
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic
 from project.engine.distributed import ledger as ledgers
@@ -137,16 +137,3 @@ class Checkpointing:
         if loaded.own and loaded.mine is not None:
             state["rng"] = loaded.mine["rng"]
         return state
-
-
-def plain(tree: Any) -> Any:
-    """`tree` with any OmegaConf container (and tuple) turned into plain dicts and lists."""
-    from omegaconf import DictConfig, ListConfig
-
-    if isinstance(tree, (DictConfig, ListConfig)):
-        return to_plain(tree)
-    if isinstance(tree, dict):
-        return {k: plain(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [plain(v) for v in tree]
-    return tree

@@ -194,12 +194,20 @@ def prepare(run: Run, entry: EntryPoint) -> None:
 
 def check_strategy(run: Run, trainer: str) -> None:
     """The strategy's options against the hardware and the trainer's, before any process group.
-    FSDP on several processes: the raw trainer writes its `last` sharded; Lightning writes and
-    reads no checkpoint yet (fsdp.options.check_checkpoints)."""
+    FSDP on several processes writes its `last` sharded (fsdp.options.check_checkpoints);
+    `trainer`: "lightning" or "raw" (only the raw trainer resumes a sharded `last` on one
+    process)."""
     from project.engine.distributed import ddp
     from project.engine.distributed.fsdp import options as fsdp_options
 
     strategy, world = run.cfg.get("strategy"), run.topology.world_size
+    fsdp = fsdp_options.chosen(strategy) and world > 1
+    if trainer == "lightning" and run.checkpoints.sharded and not fsdp:
+        raise UserError(
+            f"{run.checkpoints.sharded_manifest} publishes a sharded `last`, which Lightning "
+            "resumes under strategy=fsdp on several processes only (not on one process yet): "
+            "rerun with strategy=fsdp and trainer.devices >= 2, or use another RUN_ID"
+        )
     if not fsdp_options.chosen(strategy):
         ddp.check_options(strategy, run.cfg.trainer, world)
         return
@@ -207,10 +215,8 @@ def check_strategy(run: Run, trainer: str) -> None:
     kept = {k: strategy.get(k) for k in ("process_group_backend", "timeout", "step_timeout_s")}
     ddp.check_options(DictConfig(kept), run.cfg.trainer, world)  # the backend on this hardware
     if world > 1:
-        sharded = fsdp_options.check_checkpoints(run.cfg, run.resume.path,
-                                                 run.checkpoints.had_last, trainer)  # fmt: skip
-        run.checkpoints.saves = sharded
-        run.checkpoints.sharded = run.checkpoints.sharded or sharded
+        fsdp_options.check_checkpoints(run.cfg, run.resume.path)
+        run.checkpoints.sharded = True
 
 
 def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:

@@ -3,10 +3,9 @@
 `check` refuses, in one line each naming the option and the fix, what FSDP cannot do here:
 DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, another start
 method than popen, a `blocks` class the network lacks or parameters outside it, and (on
-several processes) the checkpoints not written sharded yet: the raw trainer's `last` is
-(project.engine.checkpoints.sharded, through engine/raw/checkpointing.py); Lightning's, the
-best-k checkpoints of `callbacks.model_checkpoint` and an explicit `ckpt_path` are not, so
-such a Lightning run writes none and resumes from none.
+several processes) the checkpoints not written sharded yet: the fault-tolerance `last` of
+both trainers is (project.engine.checkpoints.sharded); the best-k checkpoints of
+`callbacks.model_checkpoint` and an explicit `ckpt_path` are not.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ DDP_ONLY = ("comm_hook", "find_unused_parameters", "static_graph", "gradient_as_
 KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "process_group_backend",
         "timeout", "step_timeout_s", "start_method")  # fmt: skip
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
-NO_CHECKPOINTS = "only the raw trainer's `last` is sharded yet"
+NO_CHECKPOINTS = "only the fault-tolerance `last` is sharded yet"
 
 
 def chosen(strategy_cfg: Any) -> bool:
@@ -124,34 +123,23 @@ def check_network(cfg: DictConfig) -> None:
     check_parameters_in_net(task)
 
 
-def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool, trainer: str) -> bool:
-    """On several processes, what is not written sharded yet is refused (one line); returns
-    whether this run writes its `last` (sharded): the raw trainer's does, Lightning's not yet.
-    `trainer`: "raw" or "lightning"."""
+def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
+    """On several processes, what is not written sharded yet is refused (one line): the
+    fault-tolerance `last` is (project.engine.checkpoints.sharded), nothing else."""
     from project.engine.checkpoints.remote import is_url
     from project.engine.checkpoints.sharded import is_sharded
 
     callbacks = cfg.get("callbacks") or {}
-    refused = ("model_checkpoint",) if trainer == "raw" else ("model_checkpoint", "fault_tolerance")
-    for name in refused:
-        if callbacks.get(name) is not None:
-            raise UserError(
-                f"callbacks.{name} is not supported with strategy=fsdp on several processes "
-                f"({NO_CHECKPOINTS}): set callbacks.{name}=null"
-            )
+    if callbacks.get("model_checkpoint") is not None:
+        raise UserError(
+            f"callbacks.model_checkpoint is not supported with strategy=fsdp on several "
+            f"processes ({NO_CHECKPOINTS}): set callbacks.model_checkpoint=null"
+        )
     if cfg.get("ckpt_path"):
         raise UserError(
             f"ckpt_path is not supported with strategy=fsdp on several processes "
             f"({NO_CHECKPOINTS}): set ckpt_path=null"
         )
-    if trainer != "raw":
-        if resume is not None or had_last:
-            raise UserError(
-                f"this run folder holds a checkpoint to resume, which strategy=fsdp on several "
-                f"processes cannot load ({NO_CHECKPOINTS}): start a new run (another RUN_ID), "
-                "or set auto_resume=false and delete it"
-            )
-        return False
     dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
     if is_url(dirpath):
         raise UserError(
@@ -164,4 +152,3 @@ def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool, trai
             "several processes cannot load (it resumes sharded ones): resume it with the "
             "strategy it was written with, or start a new run (another RUN_ID)"
         )
-    return True
