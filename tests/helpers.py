@@ -278,7 +278,7 @@ TORCHRUN_ARGS = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "step_st
                  *QUIET]  # fmt: skip
 
 
-# strategy=fsdp on several processes writes no checkpoint yet: these turn off what would
+# strategy=fsdp on several processes refuses best-k checkpoints; no periodic `last` either
 FSDP = ["callbacks.model_checkpoint=null", "callbacks.fault_tolerance=null"]
 
 

@@ -1,16 +1,15 @@
 """strategy=fsdp (FSDP2, fully_shard) in both trainers: the plan of what is sharded and every
 refusal before any process starts (quick tier); 2-process runs under torchrun whose per-step
 losses equal between the trainers and against strategy=ddp, with accumulation, bf16, CPU
-offload and clipping, a stop that saves nothing and a hang naming FSDP's collective (full)."""
+offload and clipping, a hang naming FSDP's collective, and the sharded `last` of both trainers:
+a stop and a rerun resume it bitwise, and on another world size (full)."""
 
 from __future__ import annotations
 
 import collections
 import json
 import re
-import signal
 import sys
-import time
 from pathlib import Path
 from subprocess import Popen
 
@@ -213,32 +212,12 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
 # /feature:raw
 
 
-@pytest.mark.distributed
-def test_a_stop_under_fsdp_saves_nothing_and_says_so(base_args, tmp_path) -> None:
-    """Lightning (its checkpoints are not sharded yet). SIGTERM to the launcher: every rank
-    stops after the same step, exit 143, one line that nothing was saved (no `resume with`),
-    no checkpoint file anywhere."""
-    module = "project.train"
-    args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=50", "test=false"]
-    proc = start(launcher(["-m", module, *args, f"hydra.run.dir={tmp_path / 'run'}"]))
-    log = tmp_path / "run" / ("train.log" if module == "project.train" else "raw_train.log")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "sharded over 2 ranks" not in _read(log):
-        time.sleep(0.5)
-    time.sleep(2)  # into the training steps
-    proc.send_signal(signal.SIGTERM)
-    code, out = finish(proc, timeout=120)
-    assert code == EXIT_PREEMPTED, out[-3000:]
-    assert NOTHING_SAVED in out and "resume with" not in out.lower(), out[-3000:]
-    assert not list((tmp_path / "run").rglob("*.ckpt")) + list((tmp_path / "run").rglob("*.pt"))
-
-
 def _read(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
 
 @pytest.mark.distributed
-def test_a_hang_under_fsdp_names_its_all_gather_and_no_resume(base_args, log_dir) -> None:
+def test_a_hang_under_fsdp_names_its_all_gather(base_args, log_dir) -> None:
     args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=4", "test=false",
             "fault_injection.at_step=15", "fault_injection.rank=1", "strategy.step_timeout_s=5",
             "fault_injection.mode=hang"]  # fmt: skip
@@ -246,7 +225,7 @@ def test_a_hang_under_fsdp_names_its_all_gather_and_no_resume(base_args, log_dir
     assert code == EXIT_HUNG, out[-3000:]
     # rank 0 waits in the next forward's weight gather (the default group's Flight Recorder)
     assert re.search(r"rank 1 never issued collective #\d+ \(all_gather \[", out), out[-3000:]
-    assert NOTHING_SAVED in out and "resume with RUN_ID" not in out, out[-3000:]
+    assert NOTHING_SAVED not in out, out[-3000:]  # its `last` is sharded: a resume is said
 
 
 # --- the raw trainer's sharded `last` (full tier) ---------------------------------------------
@@ -305,10 +284,25 @@ ROWS = 480
 
 
 @pytest.mark.distributed
+def test_lightning_refuses_a_sharded_last_on_one_process(base_args, log_dir) -> None:
+    """Lightning's one-process strategy loads no shards yet: one line, exit 2, `last` kept."""
+    args = [*base_args, *SHARDED, "trainer.max_epochs=3", "trainer.limit_train_batches=10"]
+    cut = [*args, "fault_injection.at_step=3", "fault_injection.mode=sigterm"]
+    code, out = finish(job(cut, "cut", module="project.train"), 300)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    manifest = log_dir / "train" / "runs" / "cut" / "checkpoints" / "last-ckpt.json"
+    before = manifest.read_text()
+    code, out = finish(job(args, "cut", nproc=1, module="project.train"), 300)
+    assert code == 2, out[-3000:]
+    assert "which Lightning resumes under strategy=fsdp on several processes only" in out
+    assert manifest.read_text() == before
+
+
+@pytest.mark.distributed
 def test_a_sharded_last_continues_on_another_world_size(base_args, tmp_path, log_dir) -> None:
-    """Stopped in epoch 0 on 2 processes, continued on 1: the state reshards, the global batch
-    and every row of the epoch are kept once, the optimizer steps are those of the run that
-    never stopped and the final weights within float tolerance of its."""
+    """The raw trainer, stopped in epoch 0 on 2 processes, continued on 1: the state
+    reshards, the global batch and every row of the epoch are kept once, the optimizer steps
+    are those of the run that never stopped and the final weights within float tolerance."""
     args = [*base_args, *SHARDED, *recorded_data(tmp_path, ROWS),
             "data.batch_size=20", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
             "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
