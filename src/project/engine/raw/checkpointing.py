@@ -58,6 +58,11 @@ class Checkpointing:
         self.checkpoints.prune_hook(self.comm_hook, self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
 
+    def last_path(self) -> Path:
+        """Where `last` is: last.pt, or the manifest of a sharded one."""
+        c = self.checkpoints
+        return c.sharded_manifest if c.sharded else c.last
+
     def save_best(self, metrics: dict[str, float]) -> None:
         """After validation: best.pt when the monitored metric improved (strictly)."""
         ckpt_cfg = self.cfg.callbacks.get("model_checkpoint") or {}

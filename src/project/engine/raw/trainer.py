@@ -34,7 +34,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -487,11 +486,6 @@ class RawTrainer(Checkpointing):
         if done and self.is_zero:
             log.info(f"fit stopped: max_steps={self.max_steps} reached")
         return done
-
-    def last_path(self) -> Path:
-        """Where `last` is: last.pt, or the manifest of a sharded one."""
-        c = self.checkpoints
-        return c.sharded_manifest if c.sharded else c.last
 
     def close(self) -> None:
         if self.sharded_last is not None:  # its pending save, then its group (before the default)

@@ -126,9 +126,6 @@ def check_network(cfg: DictConfig) -> None:
 def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
     """On several processes, what is not written sharded yet is refused (one line): the
     fault-tolerance `last` is (project.engine.checkpoints.sharded), nothing else."""
-    from project.engine.checkpoints.remote import is_url
-    from project.engine.checkpoints.sharded import is_sharded
-
     callbacks = cfg.get("callbacks") or {}
     if callbacks.get("model_checkpoint") is not None:
         raise UserError(
@@ -141,12 +138,12 @@ def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
             f"({NO_CHECKPOINTS}): set ckpt_path=null"
         )
     dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
-    if is_url(dirpath):
+    if dirpath is not None and "://" in str(dirpath):  # a URL (checkpoints.remote.is_url)
         raise UserError(
             f"callbacks.fault_tolerance.dirpath={dirpath}: strategy=fsdp on several processes "
             "writes its sharded `last` to a local (or shared) folder only yet: give a folder"
         )
-    if resume is not None and not is_sharded(str(resume)):
+    if resume is not None and not resume.is_dir():  # a sharded save is a folder
         raise UserError(
             f"this run folder's {resume.name} is a one-file checkpoint, which strategy=fsdp on "
             "several processes cannot load (it resumes sharded ones): resume it with the "
