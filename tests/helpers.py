@@ -278,7 +278,7 @@ TORCHRUN_ARGS = ["trainer.max_epochs=2", "trainer.log_every_n_steps=1", "step_st
                  *QUIET]  # fmt: skip
 
 
-# strategy=fsdp on several processes writes no checkpoint yet: these turn off what would
+# strategy=fsdp on several processes refuses best-k checkpoints; no periodic `last` either
 FSDP = ["callbacks.model_checkpoint=null", "callbacks.fault_tolerance=null"]
 
 
@@ -382,14 +382,50 @@ def step_losses(run_dir: Path) -> list[float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, Any]:
-    """The network's weights in a run's last checkpoint, keyed alike for both trainers."""
+    """The network's weights in a run's last checkpoint, keyed alike for both trainers (a
+    sharded one gathered whole)."""
     import torch
 
     ckpt_dir = run_dir / "checkpoints"
+    for manifest in (SHARDED_RAW, "last-ckpt.json"):  # sharded (strategy=fsdp)
+        if (ckpt_dir / manifest).is_file():
+            return sharded_state(ckpt_dir / manifest)["model"]
     if (ckpt_dir / "last.pt").is_file():  # the raw trainer
         return torch.load(ckpt_dir / "last.pt", weights_only=True)["model"]
     state = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["state_dict"]
     return {k.removeprefix("task."): v for k, v in state.items() if k.startswith("task.")}
+
+
+# The raw trainer's sharded `last` (strategy=fsdp on several processes): its manifest.
+SHARDED_RAW = "last-pt.json"
+
+
+def sharded_manifest(module: str) -> str:
+    """The manifest of a trainer's sharded `last` (last.pt -> last-pt.json, last.ckpt ->
+    last-ckpt.json)."""
+    return SHARDED_RAW if module == "project.raw_train" else "last-ckpt.json"
+
+
+def sharded_state(manifest: Path) -> dict[str, Any]:
+    """The whole state (model, optim) of the sharded save `manifest` publishes, gathered on
+    this process by DCP's own reader."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from project.engine.checkpoints.sharded import resolve
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(resolve(manifest, "test"), Path(tmp) / "whole.pt")
+        return torch.load(Path(tmp) / "whole.pt", weights_only=True)
+
+
+def sharded_entries(manifest: Path) -> dict[str, Any]:
+    """What the sharded save `manifest` publishes holds beside model and optimizer."""
+    from project.engine.checkpoints.sharded import COMMON, read_entries, resolve
+
+    return read_entries(str(Path(resolve(manifest, "test")) / COMMON))
 
 
 def assert_same_weights(a: Path, b: Path) -> None:

@@ -1,15 +1,17 @@
 """strategy=fsdp (FSDP2, fully_shard) in both trainers: the plan of what is sharded and every
 refusal before any process starts (quick tier); 2-process runs under torchrun whose per-step
 losses equal between the trainers and against strategy=ddp, with accumulation, bf16, CPU
-offload and clipping, a stop that saves nothing and a hang naming FSDP's collective (full)."""
+offload and clipping, a hang naming FSDP's collective, and the sharded `last` of both trainers:
+a stop and a rerun resume it bitwise, and on another world size (full)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
-import signal
-import time
+import sys
 from pathlib import Path
+from subprocess import Popen
 
 import pytest
 import torch
@@ -30,12 +32,19 @@ from project.models.mlp import MLP
 from tests.helpers import (
     FSDP,
     QUIET,
+    SHARDED_RAW,
+    assert_same_weights,
+    final_weights,
     finish,
     launcher,
     max_loss_diff,
     one_error_line,
+    recorded_data,
+    recorded_reads,
     run_script,
     run_trainer,
+    sharded_entries,
+    sharded_manifest,
     start,
     torchrun,
 )
@@ -117,16 +126,25 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
     ("overrides", "resume", "needle"),
     [
         ([], None, "callbacks.model_checkpoint is not supported"),
-        (["callbacks.model_checkpoint=null"], None, "set callbacks.fault_tolerance=null"),
-        ([*FSDP, "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
-        (FSDP, Path("last.ckpt"), "start a new run"),
+        (["callbacks.model_checkpoint=null", "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
+        (["callbacks.model_checkpoint=null"], Path("last.ckpt"),
+         "last.ckpt is a one-file checkpoint"),
+        (["callbacks.model_checkpoint=null",
+          "callbacks.fault_tolerance.dirpath=s3://bucket/run"], None,
+         "writes its sharded `last` to a local (or shared) folder only"),
     ],
-)
+)  # fmt: skip
 def test_checkpoints_on_several_processes_are_refused(compose_train, overrides, resume, needle):
+    """Only the fault-tolerance `last` is sharded: best-k, a ckpt_path, a one-file `last` to
+    resume and a URL folder are one line each."""
     cfg = compose_train(["strategy=fsdp", *overrides])
     fsdp_options.check(cfg, 2)  # the rest is fine
     with pytest.raises(UserError, match=re.escape(needle)):
-        fsdp_options.check_checkpoints(cfg, resume, had_last=False)
+        fsdp_options.check_checkpoints(cfg, resume)
+    # the fault-tolerance `last` alone is fine
+    fsdp_options.check_checkpoints(
+        compose_train(["strategy=fsdp", "callbacks.model_checkpoint=null"]), None
+    )
 
 
 @pytest.mark.quick
@@ -225,6 +243,38 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
 # /feature:raw
 
 
+def _read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
+@pytest.mark.distributed
+def test_a_hang_under_fsdp_names_its_all_gather(base_args, log_dir) -> None:
+    args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=4", "test=false",
+            "fault_injection.at_step=15", "fault_injection.rank=1", "strategy.step_timeout_s=5",
+            "fault_injection.mode=hang"]  # fmt: skip
+    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="hang"), 240)
+    assert code == EXIT_HUNG, out[-3000:]
+    # rank 0 waits in the next forward's weight gather (the default group's Flight Recorder)
+    assert re.search(r"rank 1 never issued collective #\d+ \(all_gather \[", out), out[-3000:]
+    assert NOTHING_SAVED not in out, out[-3000:]  # its `last` is sharded: a resume is said
+
+
+# --- the raw trainer's sharded `last` (full tier) ---------------------------------------------
+# The CNN has dropout: an exact resume also needs every rank's RNG states back.
+SHARDED = ["strategy=fsdp", "callbacks.model_checkpoint=null", "test=false",
+           "callbacks.early_stopping=null", "callbacks.fault_tolerance.check_every_n_steps=2",
+           *QUIET]  # fmt: skip
+
+
+def job(
+    args: list[str], run_id: str, nproc: int = 2, module: str = "project.raw_train", **env: str
+) -> Popen[str]:
+    """A trainer on `nproc` processes (1: plain python), into the run folder RUN_ID."""
+    target = ["-m", module, *args]
+    cmd = launcher(target, nproc) if nproc > 1 else [sys.executable, *target]
+    return start(cmd, RUN_ID=run_id, **env)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "module",
@@ -233,34 +283,80 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
         "project.raw_train",  # feature:raw
     ],
 )
-def test_a_stop_under_fsdp_saves_nothing_and_says_so(base_args, tmp_path, module) -> None:
-    """SIGTERM to the launcher: every rank stops after the same step, exit 143, one line that
-    nothing was saved (no `resume with`), no checkpoint file anywhere."""
-    args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=50", "test=false"]
-    proc = start(launcher(["-m", module, *args, f"hydra.run.dir={tmp_path / 'run'}"]))
-    log = tmp_path / "run" / ("train.log" if module == "project.train" else "raw_train.log")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "sharded over 2 ranks" not in _read(log):
-        time.sleep(0.5)
-    time.sleep(2)  # into the training steps
-    proc.send_signal(signal.SIGTERM)
-    code, out = finish(proc, timeout=120)
-    assert code == EXIT_PREEMPTED, out[-3000:]
-    assert NOTHING_SAVED in out and "resume with" not in out.lower(), out[-3000:]
-    assert not list((tmp_path / "run").rglob("*.ckpt")) + list((tmp_path / "run").rglob("*.pt"))
+def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, module) -> None:
+    """2 processes, strategy=fsdp: SIGTERM mid-epoch saves a sharded `last` (every rank its
+    shards, a manifest); the same command again resumes it mid-epoch and ends with the final
+    weights of the run that never stopped, bitwise; a third run finds it finished."""
+    args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=3"]
+    cut = [*args, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
+    whole, first = job(args, "whole", module=module), job(cut, "cut", module=module)
+    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
+    assert code == 0, out[-3000:]
+    assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
+    runs = log_dir / "train" / "runs"
+    manifest = runs / "cut" / "checkpoints" / sharded_manifest(module)
+    assert f"{manifest} is saved" in cut_out, cut_out[-3000:]
+    saved = json.loads(manifest.read_text())
+    assert saved["world"] == 2, saved
+    assert f"Stopped by a signal at step {saved['step']}" in cut_out, cut_out[-3000:]
+    folder = manifest.parent / saved["folder"]
+    assert {"rank0.pt", "rank1.pt", "common.pt", ".metadata"} <= {p.name for p in folder.iterdir()}
+    assert not list(runs.rglob("last.pt")) + list(runs.rglob("*.ckpt"))  # nothing one-file
+    code, out = finish(job(args, "cut", module=module), 300)
+    assert code == 0 and "skipping" in out, out[-3000:]
+    assert_same_weights(runs / "whole", runs / "cut")
+    assert sharded_entries(manifest)["common"]["project"]["finished"]
+    code, out = finish(job(args, "cut", module=module), 300)
+    assert code == 0 and "This run already finished" in out, out[-3000:]
 
 
-def _read(path: Path) -> str:
-    return path.read_text() if path.is_file() else ""
+# Rows of tests.user_data.RecordedSource: 2 epochs of 12 steps of a global batch of 40.
+ROWS = 480
 
 
 @pytest.mark.distributed
-def test_a_hang_under_fsdp_names_its_all_gather_and_no_resume(base_args, log_dir) -> None:
-    args = ["strategy=fsdp", *base_args, *FSDP, "trainer.max_epochs=4", "test=false",
-            "fault_injection.at_step=15", "fault_injection.rank=1", "strategy.step_timeout_s=5",
-            "fault_injection.mode=hang"]  # fmt: skip
-    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="hang"), 240)
-    assert code == EXIT_HUNG, out[-3000:]
-    # rank 0 waits in the next forward's weight gather (the default group's Flight Recorder)
-    assert re.search(r"rank 1 never issued collective #\d+ \(all_gather \[", out), out[-3000:]
-    assert NOTHING_SAVED in out and "resume with RUN_ID" not in out, out[-3000:]
+def test_lightning_refuses_a_sharded_last_on_one_process(base_args, log_dir) -> None:
+    """Lightning's one-process strategy loads no shards yet: one line, exit 2, `last` kept."""
+    args = [*base_args, *SHARDED, "trainer.max_epochs=3", "trainer.limit_train_batches=10"]
+    cut = [*args, "fault_injection.at_step=3", "fault_injection.mode=sigterm"]
+    code, out = finish(job(cut, "cut", module="project.train"), 300)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    manifest = log_dir / "train" / "runs" / "cut" / "checkpoints" / "last-ckpt.json"
+    before = manifest.read_text()
+    code, out = finish(job(args, "cut", nproc=1, module="project.train"), 300)
+    assert code == 2, out[-3000:]
+    assert "which Lightning resumes under strategy=fsdp on several processes only" in out
+    assert manifest.read_text() == before
+
+
+@pytest.mark.distributed
+def test_a_sharded_last_continues_on_another_world_size(base_args, tmp_path, log_dir) -> None:
+    """The raw trainer, stopped in epoch 0 on 2 processes, continued on 1: the state
+    reshards, the global batch and every row of the epoch are kept once, the optimizer steps
+    are those of the run that never stopped and the final weights within float tolerance."""
+    args = [*base_args, *SHARDED, *recorded_data(tmp_path, ROWS),
+            "data.batch_size=20", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
+            "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
+    cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
+    whole, first = job(args, "whole", RECORD_TAG="whole"), job(cut, "cut", RECORD_TAG="first")
+    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
+    assert code == 0, out[-3000:]
+    assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
+    code, out = finish(job(args, "cut", nproc=1, RECORD_TAG="second"), 300)
+    assert code == 0 and "the global batch of 40 is kept" in out, out[-3000:]
+    assert "Resuming epoch 0" in out, out[-3000:]
+    runs = log_dir / "train" / "runs"
+    steps = [sharded_entries(runs / r / "checkpoints" / SHARDED_RAW)["step"]
+             for r in ("cut", "whole")]  # fmt: skip
+    assert steps[0] == steps[1] == 24, steps
+    first_reads, second = recorded_reads(tmp_path, "first"), recorded_reads(tmp_path, "second")
+    rest = [i for r in second for i in r[:-ROWS]]  # epoch 0's rest: before the 480 of epoch 1
+    counts = collections.Counter([i for r in first_reads for i in r] + rest)
+    assert set(counts) == set(range(ROWS)), sorted(set(range(ROWS)) - set(counts))[:10]
+    # Twice: the batch each rank had fetched when it stopped (read, never trained).
+    assert sum(counts.values()) - ROWS < 2 * 20 + 1, collections.Counter(counts.values())
+    a, b = final_weights(runs / "cut"), final_weights(runs / "whole")
+    largest = max(float((a[key] - b[key]).abs().max()) for key in a)
+    print(f"largest weight difference, 2 -> 1 processes, sharded: {largest:.1e}")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)

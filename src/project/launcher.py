@@ -91,7 +91,7 @@ def _signalled(signum: int, folder: str) -> int:
         print(f"launcher: {name} arrived after training had finished: exit 0", file=sys.stderr)
         return 0
     resume = recorded_resume(folder) or "the same command, with the run's RUN_ID"
-    if resume == NOTHING_SAVED:  # strategy=fsdp on several processes: no checkpoint yet
+    if resume == NOTHING_SAVED:  # a run that writes no checkpoint
         print(f"launcher: stopped by {name}; {resume}   (exit {EXIT_PREEMPTED})", file=sys.stderr)
         return EXIT_PREEMPTED
     saved = (

@@ -43,6 +43,9 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
 
     cfg, resume = run.cfg, run.resume
     strategy = build.strategy(run)
+    c = run.checkpoints
+    if c.sharded and hasattr(strategy, "sharded_at"):  # FSDPStrategy: `last` sharded
+        strategy.sharded_at = (c.last.parent, c.sharded_name, c.last)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = instantiate(cfg.data)
     # Any datamodule's loaders: sharded, resumable, started where a resumed epoch stood.
@@ -59,8 +62,8 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
         # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
-        # that writes no checkpoint (strategy=fsdp on several processes, for now)
-        **({} if run.checkpoints.saves else {"enable_checkpointing": False}),
+        # whose checkpoints are sharded or none (strategy=fsdp on several processes)
+        **({} if c.saves and not c.sharded else {"enable_checkpointing": False}),
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))

@@ -202,7 +202,7 @@ def find_resume(
         path, what = last, "the run's last checkpoint"
     else:
         return Resume()
-    ckpt = read_checkpoint(path, what)
+    ckpt = sharded_entries(path, kind) if is_sharded(str(path)) else read_checkpoint(path, what)
     if kind not in ckpt:
         own = "a .ckpt of train.py" if kind == "state_dict" else "a .pt of the raw trainer"
         raise UserError(
@@ -215,3 +215,20 @@ def find_resume(
     finished = bool(state.get("finished")) and not explicit  # explicit: Lightning decides
     return Resume(path, finished, state.get("metrics") or {}, ckpt.get("data_position"),
                   state.get("callbacks"))  # fmt: skip
+
+
+def is_sharded(path: str) -> bool:
+    """Whether `path` is a complete sharded save (project.engine.checkpoints.sharded)."""
+    from project.engine.checkpoints.sharded import is_sharded as complete
+
+    return not is_url(path) and Path(path).is_dir() and complete(path)
+
+
+def sharded_entries(folder: Path, kind: str) -> dict[str, Any]:
+    """A sharded save's entries besides model and optimizer (project.engine.checkpoints
+    .sharded), with `kind` set when the trainer that wrote it is the one reading it."""
+    from project.engine.checkpoints.sharded import COMMON, read_entries  # torch: when needed
+
+    saved = read_entries(str(folder / COMMON))
+    trainer = {"model": "raw", "state_dict": "lightning"}.get(kind)
+    return dict(saved["common"]) | ({kind: None} if saved["trainer"] == trainer else {})

@@ -129,20 +129,34 @@ class RunCheckpoints:
             self.last = self.remote.staging / name  # staged here, then uploaded
         else:
             self.last = (Path(dirpath) if dirpath else self.folder) / name
+        # A sharded `last` (strategy=fsdp on several processes, project.engine.checkpoints
+        # .sharded): the manifest <name>.json beside where the one-file `last` would be,
+        # e.g. last-pt.json publishing the folder last-pt-step40. A run folder that holds one
+        # keeps writing its `last` sharded, on any world size (a 2 -> 1 resume too).
+        self.sharded_name = self.last.name.replace(".", "-")
+        self.sharded_manifest = self.last.parent / f"{self.sharded_name}.json"
+        self.sharded = self.remote is None and self.sharded_manifest.is_file()
         # Decided once, before any process group: ranks must agree on the final save.
-        self.had_last = self.last.exists() if self.remote is None else bool(self.remote.manifest)
+        self.had_last = self.last.exists() or self.sharded if self.remote is None else \
+            bool(self.remote.manifest)  # fmt: skip
         # What auto_resume continues from: the local `last`, or the published one fetched.
         self.resume_last = self.last if self.remote is None else self.fetch_published()
+        if self.sharded:  # the folder the manifest publishes (resolve checks it is complete)
+            from project.engine.checkpoints.sharded import resolve
+
+            self.resume_last = Path(resolve(self.sharded_manifest, "the run's last checkpoint"))
         self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
         self.finished = False  # set when training ends: `last` then says so
-        # False: this run writes no checkpoint at all, a stop neither (strategy=fsdp on several
-        # processes until sharded checkpoints come: project.engine.distributed.fsdp.options)
+        # False: this run writes no checkpoint at all, a stop neither (the skeleton may say so;
+        # strategy=fsdp on several processes writes its `last` sharded instead: `sharded`)
         self.saves = True
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
 
     @property
     def where(self) -> str:
         """Where `last` lives, as the log says it: its URL, or its local path."""
+        if self.sharded:
+            return str(self.sharded_manifest)
         return f"{self.remote.url.rstrip('/')}/{self.last.name}" if self.remote else str(self.last)
 
     def fetch_published(self) -> Path | None:

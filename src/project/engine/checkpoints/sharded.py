@@ -1,6 +1,6 @@
 """Sharded checkpoints of FSDP2 models (`fully_shard`) with torch.distributed.checkpoint (DCP):
-each rank writes its own shards, a load reshards them onto any world size. A building block:
-the trainers do not use it yet.
+each rank writes its own shards, a load reshards them onto any world size. The raw trainer's
+`last` under strategy=fsdp on several processes (project.engine.raw.checkpointing) is one.
 
 A save goes to a fresh folder, and `last` is a manifest that names the newest complete one:
 

@@ -77,11 +77,8 @@ class Preempted(Exception):
 
 RESUME_FILE = "resume"  # next to the workers' rank-<R> files
 # What record_resume records (and the hang report says) when the run writes no checkpoint
-# (strategy=fsdp on several processes, until sharded checkpoints come): nothing to resume.
-NOTHING_SAVED = (
-    "nothing was saved (strategy=fsdp on several processes writes no checkpoint yet): "
-    "rerunning starts over"
-)
+# (RunCheckpoints.saves false): nothing to resume.
+NOTHING_SAVED = "nothing was saved (this run writes no checkpoint): rerunning starts over"
 
 
 @contextlib.contextmanager

@@ -385,7 +385,7 @@ def next_step(code: int) -> str:
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
     slow = "; steps that are legitimately this long: raise strategy.step_timeout_s"
-    if exits.recorded_here() == exits.NOTHING_SAVED:  # no checkpoint to resume (strategy=fsdp)
+    if exits.recorded_here() == exits.NOTHING_SAVED:  # no checkpoint to resume
         return f"{exits.NOTHING_SAVED}{slow if code == EXIT_HUNG else ''}"
     if restart <= restarts:
         return (f"torchrun restarts the job (restart {restart} of {restarts}), which resumes "

@@ -20,13 +20,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule
 
+from project.engine.checkpoints import sharded
+from project.engine.checkpoints.sharded import ShardedLast
+from project.engine.checkpoints.state import plain
 from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.comm_hooks import CommHook
@@ -83,15 +88,12 @@ class FSDPStrategy(ModelParallelStrategy):
         self.blocks = blocks or None
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
         self.timeout, self.step_timeout_s = timeout, step_timeout_s  # read by RunState
+        # The run's sharded `last` (train.py sets where: its folder and name); made in setup,
+        # on every rank (its gloo group), closed in teardown.
+        self.sharded_at: tuple[Path, str, Path] | None = None  # folder, name, one-file path
+        self.sharded_last: ShardedLast | None = None
 
-    def shard(self, task: torch.nn.Module) -> None:
-        """`fully_shard` the task's network (idempotent: configure_model runs again for test)."""
-        strategy = {"reshard_after_forward": self.reshard_after_forward,
-                    "cpu_offload": self.cpu_offload}  # fmt: skip
-        options = ShardOptions.of(strategy, self.precision_plugin.precision)
-        plan.shard(task, self.device_mesh["data_parallel"], self.blocks, **options.kwargs())
-
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         # Lightning only checks that configure_model is overridden: a subclass of the module
         # that does not call ours would train a copy per rank, never synchronised.
@@ -101,6 +103,50 @@ class FSDPStrategy(ModelParallelStrategy):
                 f"strategy=fsdp: {type(self.lightning_module).__name__}.configure_model did not "
                 "shard the network: call super().configure_model() in yours"
             )
+        if self.sharded_at is not None and self.sharded_last is None:
+            folder, name, _ = self.sharded_at
+            self.sharded_last = ShardedLast(folder, name, "lightning")
+
+    def teardown(self) -> None:
+        if self.sharded_last is not None:  # its group goes before the default one
+            self.sharded_last.close()
+            self.sharded_last = None
+        super().teardown()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """RunState's `last` (every rank): model and optimizer as shards, every other entry of
+        the checkpoint as it is (`common`), each rank's RNG states its own; published by the
+        manifest once every rank's part is complete (project.engine.checkpoints.sharded)."""
+        if self.sharded_last is None or Path(filepath) != self.sharded_at[2]:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        common = plain(checkpoint)
+        self.sharded_last.save(int(common["global_step"]), self.lightning_module.task,
+                               self.optimizers[0], common, {"rng": common.get("rng")})  # fmt: skip
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        """A sharded save (a folder with DCP's index): model and optimizer loaded here (on
+        the same world size: Lightning's own resume of this strategy), the rest returned."""
+        if not sharded.is_sharded(str(checkpoint_path)):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        group = self.sharded_last.group if self.sharded_last is not None else None
+        loaded = sharded.load(str(checkpoint_path), self.lightning_module.task,
+                              self.optimizers[0] if self.optimizers else None, "ckpt_path",
+                              group)  # fmt: skip
+        checkpoint = dict(loaded.common)
+        if loaded.own and loaded.mine is not None:  # each rank continues its own streams
+            checkpoint["rng"] = loaded.mine["rng"]
+        return checkpoint
+
+    def shard(self, task: torch.nn.Module) -> None:
+        """`fully_shard` the task's network (idempotent: configure_model runs again for test)."""
+        strategy = {"reshard_after_forward": self.reshard_after_forward,
+                    "cpu_offload": self.cpu_offload}  # fmt: skip
+        options = ShardOptions.of(strategy, self.precision_plugin.precision)
+        plan.shard(task, self.device_mesh["data_parallel"], self.blocks, **options.kwargs())
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:

@@ -6,6 +6,12 @@ Paths, the stop's save schedule and the entries every checkpoint of either train
 this mixin adds what only the raw trainer holds (its model, optimizer, scheduler, scaler,
 loop counters, early stopping) and writes it the way Lightning does: rank 0, atomically,
 every rank waiting until it is on disk.
+
+Under strategy=fsdp on several processes (and in a run folder that already holds one, on any
+world size) `last` is sharded (project.engine.checkpoints.sharded): every rank writes its own
+shards of model and optimizer, rank 0 the rest of the same entries once (`common`), each rank
+its RNG states; a manifest publishes the save once every rank's part is complete. A resume
+reshards onto the world size it runs on; the rest is read as from last.pt.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any
 
 import torch
 
-from project.engine.checkpoints.state import atomic_save
+from project.engine.checkpoints import sharded
+from project.engine.checkpoints.state import atomic_save, plain
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic
 from project.engine.distributed import ledger as ledgers
@@ -36,7 +43,11 @@ class Checkpointing:
         self.outside_steps(ledgers.CHECKPOINT)  # the others wait while rank 0 writes
         began, path = time.monotonic(), self.checkpoints.last
         self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
-        if self.is_zero:
+        if self.sharded_last is not None:  # every rank its shards, then the manifest
+            state = self.state_dict(with_model=False)
+            self.sharded_last.save(self.global_step, self.task, self.optimizer, state,
+                                   {"rng": state["rng"]})  # fmt: skip
+        elif self.is_zero:
             atomic_save(self.state_dict(), path)
         self.barrier()
         # a URL folder: every rank uploads its files, then rank 0 publishes them as `last`
@@ -46,6 +57,11 @@ class Checkpointing:
             log.log(level, f"Saved {self.checkpoints.where} at step {self.global_step}")
         self.checkpoints.prune_hook(self.comm_hook, self.global_step)
         self.stop.mark_saved(self.global_step, time.monotonic() - began)
+
+    def last_path(self) -> Path:
+        """Where `last` is: last.pt, or the manifest of a sharded one."""
+        c = self.checkpoints
+        return c.sharded_manifest if c.sharded else c.last
 
     def save_best(self, metrics: dict[str, float]) -> None:
         """After validation: best.pt when the monitored metric improved (strictly)."""
@@ -61,13 +77,20 @@ class Checkpointing:
         if self.is_zero and ckpt_cfg and improved:
             atomic_save(self.state_dict(), self.checkpoints.best)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, with_model: bool = True) -> dict[str, Any]:
+        """What last.pt holds; `with_model` false: all but model and optimizer (a sharded
+        save writes those itself), as plain values (weights_only loading takes no config
+        objects)."""
         accumulate = int(self.cfg.trainer.get("accumulate_grad_batches") or 1)
         entries = self.checkpoints.entries(self.loaders["train"], self.epoch, self.batch_in_epoch,
                                            self.world, accumulate)  # fmt: skip
-        return entries | {
-            "model": self.task.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+        if not with_model:
+            return plain(entries | self.loop_state())
+        model = {"model": self.task.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return entries | self.loop_state() | model
+
+    def loop_state(self) -> dict[str, Any]:
+        return {
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,  # the epoch to run (or continue)
@@ -82,12 +105,16 @@ class Checkpointing:
         """Resume from a checkpoint of this trainer (or, weights_only, take its weights)."""
         # a resume's load is a failure's cost (goodput); the weights to test are not
         nothing = contextlib.nullcontext()
-        with nothing if weights_only else self.ledger.during(ledgers.RELOAD):
-            state = torch.load(path, map_location=self.device, weights_only=True)
-        self.task.load_state_dict(state["model"])
+        if sharded.is_sharded(str(path)):
+            state = self.load_sharded(path, weights_only)
+        else:
+            with nothing if weights_only else self.ledger.during(ledgers.RELOAD):
+                state = torch.load(path, map_location=self.device, weights_only=True)
+            self.task.load_state_dict(state["model"])
+            if not weights_only:
+                self.optimizer.load_state_dict(state["optimizer"])
         if weights_only:
             return
-        self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler and state["scheduler"]:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
@@ -101,3 +128,17 @@ class Checkpointing:
         self.checkpoints.load_hook(self.comm_hook, Path(path), self.global_step, self.device)
         self.resumed = True
         log.info(f"Resumed from {path}: epoch {self.epoch}, step {self.global_step}")
+
+    def load_sharded(self, path: str | Path, weights_only: bool) -> dict[str, Any]:
+        """Every rank: model (and optimizer) from a sharded save, resharded onto this world
+        size; returns the rest of its entries, with this rank's own RNG states where the
+        world size is the one that saved it (else rank 0's, as from last.pt)."""
+        group = self.sharded_last.group if self.sharded_last is not None else None
+        optimizer = None if weights_only else self.optimizer
+        nothing = contextlib.nullcontext()
+        with nothing if weights_only else self.ledger.during(ledgers.RELOAD):
+            loaded = sharded.load(str(path), self.task, optimizer, "ckpt_path", group)
+        state = dict(loaded.common)
+        if loaded.own and loaded.mine is not None:
+            state["rng"] = loaded.mine["rng"]
+        return state

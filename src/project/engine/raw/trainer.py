@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 from project.data.source import SPLITS
+from project.engine.checkpoints.sharded import ShardedLast
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
@@ -101,6 +102,10 @@ class RawTrainer(Checkpointing):
         self.ledger = run.ledger  # what this rank is doing (the hang report, goodput)
         check_config(cfg)
         self.setup_distributed(run.topology)
+        # `last` sharded (raw/checkpointing.py): its own gloo group, made on every rank now
+        self.sharded_last = ShardedLast(self.checkpoints.last.parent,
+                                        self.checkpoints.sharded_name, "raw") \
+            if self.checkpoints.sharded else None  # fmt: skip
         self.setup_data()
         # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
         # the task, so both trainers draw the same initial weights.
@@ -355,11 +360,11 @@ class RawTrainer(Checkpointing):
         self.ledger.window_start()  # the window just ended counts for the deadline set now
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
-        saves = self.checkpoints.saves  # none under strategy=fsdp on several processes yet
+        saves = self.checkpoints.saves
         if (save or stop) and saves:
             self.save_last(say=stop)
         if stop:
-            raise Preempted(self.global_step, self.checkpoints.last if saves else None)
+            raise Preempted(self.global_step, self.last_path() if saves else None)
         self.ledger.mark(ledgers.STEP, self.global_step)
         if stragglers is not None:
             stragglers.window_start()
@@ -485,6 +490,9 @@ class RawTrainer(Checkpointing):
         return done
 
     def close(self) -> None:
+        if self.sharded_last is not None:  # its pending save, then its group (before the default)
+            self.sharded_last.close()
+            self.sharded_last = None
         self.source.teardown()  # e.g. a remote stream's shard cache (Lightning: at fit's end)
         if self.writer is not None:
             self.writer.close()

@@ -177,7 +177,7 @@ def prepare(run: Run, entry: EntryPoint) -> None:
     from project.engine.run.console import print_config_tree
 
     threads = ddp.configure_threads(run.topology)
-    check_strategy(run)
+    check_strategy(run, entry.name)
     if is_rank_zero():
         tree_log = run.output_dir / "config_tree.log"  # a resumed run keeps its first record
         if tree_log.exists():  # once per run, not on every restart (the file keeps it)
@@ -192,13 +192,22 @@ def prepare(run: Run, entry: EntryPoint) -> None:
         )
 
 
-def check_strategy(run: Run) -> None:
+def check_strategy(run: Run, trainer: str) -> None:
     """The strategy's options against the hardware and the trainer's, before any process group.
-    FSDP on several processes writes and reads no checkpoint yet (the state is sharded)."""
+    FSDP on several processes writes its `last` sharded (fsdp.options.check_checkpoints);
+    `trainer`: "lightning" or "raw" (only the raw trainer resumes a sharded `last` on one
+    process)."""
     from project.engine.distributed import ddp
     from project.engine.distributed.fsdp import options as fsdp_options
 
     strategy, world = run.cfg.get("strategy"), run.topology.world_size
+    fsdp = fsdp_options.chosen(strategy) and world > 1
+    if trainer == "lightning" and run.checkpoints.sharded and not fsdp:
+        raise UserError(
+            f"{run.checkpoints.sharded_manifest} publishes a sharded `last`, which Lightning "
+            "resumes under strategy=fsdp on several processes only (not on one process yet): "
+            "rerun with strategy=fsdp and trainer.devices >= 2, or use another RUN_ID"
+        )
     if not fsdp_options.chosen(strategy):
         ddp.check_options(strategy, run.cfg.trainer, world)
         return
@@ -206,8 +215,8 @@ def check_strategy(run: Run) -> None:
     kept = {k: strategy.get(k) for k in ("process_group_backend", "timeout", "step_timeout_s")}
     ddp.check_options(DictConfig(kept), run.cfg.trainer, world)  # the backend on this hardware
     if world > 1:
-        fsdp_options.check_checkpoints(run.cfg, run.resume.path, run.checkpoints.had_last)
-        run.checkpoints.saves = False
+        fsdp_options.check_checkpoints(run.cfg, run.resume.path)
+        run.checkpoints.sharded = True
 
 
 def finished_results(resume: Resume, output_dir: Path) -> dict[str, float]:
@@ -258,7 +267,8 @@ def fit_and_test_then_stop(
         how = ledgers.ENDED_STOPPED
         if is_rank_zero():
             remote = run.checkpoints.remote is not None  # any machine resumes from its URL
-            name = run.checkpoints.where if remote else getattr(stop.checkpoint, "name", "")
+            name = run.checkpoints.where if remote or run.checkpoints.sharded else \
+                getattr(stop.checkpoint, "name", "")  # fmt: skip
             saved = f"{name} is saved" if stop.checkpoint else "nothing saved"
             line = f"{saved}. Resume with: {resume_command()}"
             if not run.checkpoints.saves:

@@ -3,8 +3,9 @@
 `check` refuses, in one line each naming the option and the fix, what FSDP cannot do here:
 DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, another start
 method than popen, a `blocks` class the network lacks or parameters outside it, and (on
-several processes) checkpoints: the sharded checkpoint format comes separately, so until
-then such a run writes none and resumes from none.
+several processes) the checkpoints not written sharded yet: the fault-tolerance `last` of
+both trainers is (project.engine.checkpoints.sharded); the best-k checkpoints of
+`callbacks.model_checkpoint` and an explicit `ckpt_path` are not.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ DDP_ONLY = ("comm_hook", "find_unused_parameters", "static_graph", "gradient_as_
 KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "process_group_backend",
         "timeout", "step_timeout_s", "start_method")  # fmt: skip
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
-NO_CHECKPOINTS = "sharded checkpoints come later"
+NO_CHECKPOINTS = "only the fault-tolerance `last` is sharded yet"
 # Exactly the template's: Lightning's own FSDPStrategy (FSDP1) is another thing with that name.
 TARGET = "project.engine.lightning.strategy.FSDPStrategy"
 
@@ -132,23 +133,29 @@ def check_network(cfg: DictConfig) -> None:
     check_running_statistics(task.net)
 
 
-def check_checkpoints(cfg: DictConfig, resume: Path | None, had_last: bool) -> None:
-    """On several processes: no checkpoint is written or read yet (the state is sharded)."""
+def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
+    """On several processes, what is not written sharded yet is refused (one line): the
+    fault-tolerance `last` is (project.engine.checkpoints.sharded), nothing else."""
     callbacks = cfg.get("callbacks") or {}
-    for name in ("model_checkpoint", "fault_tolerance"):
-        if callbacks.get(name) is not None:
-            raise UserError(
-                f"callbacks.{name} is not supported with strategy=fsdp on several processes "
-                f"({NO_CHECKPOINTS}): set callbacks.{name}=null"
-            )
+    if callbacks.get("model_checkpoint") is not None:
+        raise UserError(
+            f"callbacks.model_checkpoint is not supported with strategy=fsdp on several "
+            f"processes ({NO_CHECKPOINTS}): set callbacks.model_checkpoint=null"
+        )
     if cfg.get("ckpt_path"):
         raise UserError(
             f"ckpt_path is not supported with strategy=fsdp on several processes "
             f"({NO_CHECKPOINTS}): set ckpt_path=null"
         )
-    if resume is not None or had_last:
+    dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
+    if dirpath is not None and "://" in str(dirpath):  # a URL (checkpoints.remote.is_url)
         raise UserError(
-            f"this run folder holds a checkpoint to resume, which strategy=fsdp on several "
-            f"processes cannot load ({NO_CHECKPOINTS}): start a new run (another RUN_ID), or "
-            "set auto_resume=false and delete it"
+            f"callbacks.fault_tolerance.dirpath={dirpath}: strategy=fsdp on several processes "
+            "writes its sharded `last` to a local (or shared) folder only yet: give a folder"
+        )
+    if resume is not None and not resume.is_dir():  # a sharded save is a folder
+        raise UserError(
+            f"this run folder's {resume.name} is a one-file checkpoint, which strategy=fsdp on "
+            "several processes cannot load (it resumes sharded ones): resume it with the "
+            "strategy it was written with, or start a new run (another RUN_ID)"
         )
