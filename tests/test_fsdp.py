@@ -241,8 +241,6 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
 
 
 # /feature:raw
-
-
 def _read(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
 
