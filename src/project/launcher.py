@@ -44,7 +44,6 @@ from project.engine.distributed.exits import (
     EXIT_OK,
     EXIT_PREEMPTED,
     NO_RESTART,
-    NOTHING_SAVED,
     recorded_resume,
     worker_exits,
 )
@@ -91,9 +90,6 @@ def _signalled(signum: int, folder: str) -> int:
         print(f"launcher: {name} arrived after training had finished: exit 0", file=sys.stderr)
         return 0
     resume = recorded_resume(folder) or "the same command, with the run's RUN_ID"
-    if resume == NOTHING_SAVED:  # a run that writes no checkpoint
-        print(f"launcher: stopped by {name}; {resume}   (exit {EXIT_PREEMPTED})", file=sys.stderr)
-        return EXIT_PREEMPTED
     saved = (
         "the workers saved last.ckpt"
         if any(c == EXIT_PREEMPTED for c in codes.values())

@@ -63,7 +63,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         profiler=build.profiler(cfg),
         # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
         # whose checkpoints are sharded or none (strategy=fsdp on several processes)
-        **({} if c.saves and not c.sharded else {"enable_checkpointing": False}),
+        **({"enable_checkpointing": False} if c.sharded else {}),
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))

@@ -147,9 +147,6 @@ class RunCheckpoints:
             self.resume_last = Path(resolve(self.sharded_manifest, "the run's last checkpoint"))
         self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
         self.finished = False  # set when training ends: `last` then says so
-        # False: this run writes no checkpoint at all, a stop neither (the skeleton may say so;
-        # strategy=fsdp on several processes writes its `last` sharded instead: `sharded`)
-        self.saves = True
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
 
     @property
@@ -211,7 +208,7 @@ class RunCheckpoints:
         """Whether training's end writes `last` (finished): fault tolerance on, or this run
         folder held one when the run started (a stop's) that would otherwise be resumed again.
         The same answer on every rank (read in preflight): the save is collective."""
-        return self.saves and (self.periodic or self.had_last)
+        return self.periodic or self.had_last
 
     def finish(self, metrics: Mapping[str, float]) -> None:
         """Training ended: the next `last` says so, with these metrics."""

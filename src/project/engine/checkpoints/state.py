@@ -114,16 +114,3 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> dict[str, Any
     if not isinstance(ckpt, dict):
         raise UserError(f"{what} {p} is not a checkpoint of this project (no dict inside)")
     return ckpt
-
-
-def plain(tree: Any) -> Any:
-    """`tree` with any OmegaConf container (and tuple) turned into plain dicts and lists."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(tree, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(tree, resolve=True)
-    if isinstance(tree, dict):
-        return {k: plain(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [plain(v) for v in tree]
-    return tree

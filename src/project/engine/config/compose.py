@@ -55,6 +55,16 @@ def to_plain(cfg: Any) -> Any:
     return cfg
 
 
+def to_plain_tree(tree: Any) -> Any:
+    """`to_plain` all through plain dicts and lists too: a checkpoint's entries that hold an
+    OmegaConf container somewhere inside (weights_only loading refuses those)."""
+    if isinstance(tree, dict):
+        return {k: to_plain_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [to_plain_tree(v) for v in tree]
+    return to_plain(tree)
+
+
 def targets(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
     """(dotted key, class path) of every `_target_` below `node`."""
     if isinstance(node, DictConfig):

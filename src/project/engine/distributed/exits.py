@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from project.engine.launch.env import is_rank_zero, rank
+from project.engine.launch.env import rank
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -76,9 +76,6 @@ class Preempted(Exception):
 
 
 RESUME_FILE = "resume"  # next to the workers' rank-<R> files
-# What record_resume records (and the hang report says) when the run writes no checkpoint
-# (RunCheckpoints.saves false): nothing to resume.
-NOTHING_SAVED = "nothing was saved (this run writes no checkpoint): rerunning starts over"
 
 
 @contextlib.contextmanager
@@ -105,20 +102,10 @@ def record_exit(code: int | str | None) -> None:
         Path(folder, f"rank-{rank()}").write_text(str(code))
 
 
-_recorded: list[str] = []  # this worker's record_resume, for its own hang report
-
-
-def recorded_here() -> str | None:
-    """What this worker recorded with record_resume (None: nothing yet)."""
-    return _recorded[-1] if _recorded else None
-
-
 def record_resume(command: str) -> None:
-    """Tell the launcher the command that resumes this run (its stop line prints it), or
-    NOTHING_SAVED."""
-    _recorded[:] = [command]
+    """Tell the launcher the command that resumes this run (its stop line prints it)."""
     folder = os.environ.get(EXIT_DIR_ENV)
-    if folder and os.path.isdir(folder) and is_rank_zero():
+    if folder and os.path.isdir(folder):
         Path(folder, RESUME_FILE).write_text(command)
 
 

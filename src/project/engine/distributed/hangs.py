@@ -41,8 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from project.engine.distributed import exits, worker_stacks
 from project.engine.distributed import ledger as ledgers
+from project.engine.distributed import worker_stacks
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG, record_exit
 from project.engine.distributed.ledger import Ledger, Record
 from project.engine.launch.env import resume_command
@@ -385,8 +385,6 @@ def next_step(code: int) -> str:
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
     slow = "; steps that are legitimately this long: raise strategy.step_timeout_s"
-    if exits.recorded_here() == exits.NOTHING_SAVED:  # no checkpoint to resume
-        return f"{exits.NOTHING_SAVED}{slow if code == EXIT_HUNG else ''}"
     if restart <= restarts:
         return (f"torchrun restarts the job (restart {restart} of {restarts}), which resumes "
                 f"from the last checkpoint{slow if code == EXIT_HUNG else ''}")  # fmt: skip

@@ -114,8 +114,7 @@ def stops_as_preempted(trainer: pl.Trainer, run: Run) -> Iterator[None]:
     try:
         yield
     except SIGTERMException:
-        saves = run.checkpoints.saves and not trainer.fast_dev_run
-        saved = run.checkpoints.last if saves else None  # RunState.save
+        saved = None if trainer.fast_dev_run else run.checkpoints.last  # RunState.save
         raise Preempted(trainer.global_step, saved) from None
     except BaseException:
         kill_launched_ranks(trainer, signal.SIGKILL)

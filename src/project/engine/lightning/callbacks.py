@@ -159,7 +159,7 @@ class RunState(pl.Callback):
     def save(self, trainer: pl.Trainer, say: bool = False) -> None:
         """Write last.ckpt (every rank calls this; rank 0 writes, atomically). `say`: a line
         on the console (a stop, the end); the epochs' saves go to the log file only."""
-        if trainer.fast_dev_run or not self.checkpoints.saves:
+        if trainer.fast_dev_run:
             return  # like ModelCheckpoint: debug runs leave no checkpoint to resume
         self.outside_steps(ledgers.CHECKPOINT, trainer)  # the others wait while rank 0 writes
         began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from project.engine.checkpoints import sharded
 from project.engine.checkpoints.sharded import ShardedLast
-from project.engine.checkpoints.state import plain
+from project.engine.config.compose import to_plain_tree
 from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.comm_hooks import CommHook
@@ -123,7 +123,7 @@ class FSDPStrategy(ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
-        common = plain(checkpoint)
+        common = to_plain_tree(checkpoint)
         self.sharded_last.save(int(common["global_step"]), self.lightning_module.task,
                                self.optimizers[0], common, {"rng": common.get("rng")})  # fmt: skip
 

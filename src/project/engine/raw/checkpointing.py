@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from project.engine.checkpoints import sharded
-from project.engine.checkpoints.state import atomic_save, plain
-from project.engine.config.compose import to_plain
+from project.engine.checkpoints.state import atomic_save
+from project.engine.config.compose import to_plain, to_plain_tree
 from project.engine.data import elastic
 from project.engine.distributed import ledger as ledgers
 
@@ -85,7 +85,7 @@ class Checkpointing:
         entries = self.checkpoints.entries(self.loaders["train"], self.epoch, self.batch_in_epoch,
                                            self.world, accumulate)  # fmt: skip
         if not with_model:
-            return plain(entries | self.loop_state())
+            return to_plain_tree(entries | self.loop_state())
         model = {"model": self.task.state_dict(), "optimizer": self.optimizer.state_dict()}
         return entries | self.loop_state() | model
 

@@ -360,11 +360,10 @@ class RawTrainer(Checkpointing):
         self.ledger.window_start()  # the window just ended counts for the deadline set now
         self.timeouts.in_steps(3 * self.ledger.window_s)
         stop, save = self.stop.check(self.device, self.global_step)
-        saves = self.checkpoints.saves
-        if (save or stop) and saves:
+        if save or stop:
             self.save_last(say=stop)
         if stop:
-            raise Preempted(self.global_step, self.last_path() if saves else None)
+            raise Preempted(self.global_step, self.last_path())
         self.ledger.mark(ledgers.STEP, self.global_step)
         if stragglers is not None:
             stragglers.window_start()

@@ -28,7 +28,6 @@ from project.engine.config.schema import check_schema
 from project.engine.data.worker_start import configure_worker_start
 from project.engine.distributed.exits import (
     EXIT_PREEMPTED,
-    NOTHING_SAVED,
     Preempted,
     close_process_group,
     record_resume,
@@ -257,8 +256,8 @@ def fit_and_test_then_stop(
     from project.engine.run import goodput, watch
 
     how = ledgers.ENDED_FAILED
-    # for the launcher's line, should it be stopped (every rank: its own hang report reads it)
-    record_resume(resume_command() if run.checkpoints.saves else NOTHING_SAVED)
+    if is_rank_zero():
+        record_resume(resume_command())  # for the launcher's line, should it be stopped
     try:
         with errors_reported():
             metrics = fit_and_test(run)
@@ -270,10 +269,10 @@ def fit_and_test_then_stop(
             name = run.checkpoints.where if remote or run.checkpoints.sharded else \
                 getattr(stop.checkpoint, "name", "")  # fmt: skip
             saved = f"{name} is saved" if stop.checkpoint else "nothing saved"
-            line = f"{saved}. Resume with: {resume_command()}"
-            if not run.checkpoints.saves:
-                line = NOTHING_SAVED
-            log.info(f"Stopped by a signal at step {stop.step}; {line}   (exit {EXIT_PREEMPTED})")
+            log.info(
+                f"Stopped by a signal at step {stop.step}; {saved}. Resume with: "
+                f"{resume_command()}   (exit {EXIT_PREEMPTED})"
+            )
         close_process_group()  # every rank agreed to stop: the group is healthy
         sys.exit(EXIT_PREEMPTED)
     finally:
