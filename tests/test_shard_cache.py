@@ -192,6 +192,31 @@ def test_a_shard_another_process_fetches_is_waited_for_and_never_seen_cut(
     assert not list((tmp_path / "cache").rglob("*.tmp"))
 
 
+def test_a_peer_holding_the_shard_never_blocks_its_download(
+    small_shards: Path, tmp_path: Path
+) -> None:
+    """A peer holds the shard's reading lock (as a DataLoader worker does for as long as its
+    iterator lives, waiting on this reader's batches) while the copy is not here yet: the
+    reader downloads it all the same. Upgrading the reading lock to download deadlocked."""
+    import fcntl
+
+    url, entry = f"file://{small_shards}/train", read_index(f"{small_shards}/train")["shards"][0]
+    cache = CountedFetches(tmp_path / "cache", str(tmp_path))
+    target = cache.path(f"{url}/{entry['file']}")
+    target.parent.mkdir(parents=True)
+    with open(target.parent / f".{target.name}.lock", "a") as peer:
+        fcntl.flock(peer, fcntl.LOCK_SH)  # another open file: it conflicts as a process would
+        got: list[Path] = []
+        reader = threading.Thread(
+            target=lambda: got.append(cache.local_copy(f"{url}/{entry['file']}", entry)),
+            daemon=True,  # a deadlocked one must not keep the test's process alive
+        )
+        reader.start()
+        reader.join(30)
+        assert got == [target], "the reader waited on a peer that holds the shard"
+    assert len(fetches(tmp_path)) == 1
+
+
 def test_a_download_killed_midway_leaves_no_file_that_is_read_later(
     small_shards: Path, tmp_path: Path
 ) -> None:

@@ -2,8 +2,10 @@
 
     <root>/<folder>-<hash>/<file>        a shard's copy (<folder>: the remote folder's name,
                                          <hash>: of its URL; every split has a shard-00000.npy)
-    <root>/<folder>-<hash>/.<file>.lock  its lock: shared while a process reads the copy,
-                                         exclusive while one downloads or evicts it
+    <root>/<folder>-<hash>/.<file>.lock  its lock: shared while a process reads or downloads
+                                         the copy, exclusive while one evicts it
+    <root>/<folder>-<hash>/.<file>.fetch.lock  exclusive while a process downloads it: the
+                                         others needing it wait there, then find it whole
     <root>/.readers/<pid>-<n>            the shards a reader (a rank or DataLoader worker
                                          iterating a stream) still has ahead this epoch
     <root>/.incoming/<pid>-<n>           the size of a download under way (under a limit)
@@ -114,16 +116,17 @@ class ShardCache:
         target.parent.mkdir(parents=True, exist_ok=True)
         lock = open(_lock_path(target), "a")  # noqa: SIM115 (the Hold closes it)
         try:
-            if not _try(lock, fcntl.LOCK_SH):  # another process downloads it: wait for it
-                with self.downloading(url):
-                    _flock(lock, fcntl.LOCK_SH)
+            # Shared from here on: no eviction removes the copy (an evictor only tries, briefly).
+            _flock(lock, fcntl.LOCK_SH)
             if not _complete(target, entry["bytes"]):
-                with self.downloading(url):
-                    _flock(lock, fcntl.LOCK_EX)  # (drops the shared lock first: no deadlock)
+                # The download takes a lock of its own rather than upgrading this one: a peer
+                # holding the shard (as long as its iterator lives, which may wait on this
+                # one's batches) would block an upgrade for good.
+                with self.downloading(url), open(_fetch_lock_path(target), "a") as fetching:
+                    _flock(fetching, fcntl.LOCK_EX)  # a download under way: wait for it
                     if not _complete(target, entry["bytes"]):  # nobody fetched it meanwhile
                         with self._room(entry["bytes"], needed_now=True):
                             self._download(url, target, entry["bytes"])
-                _flock(lock, fcntl.LOCK_SH)
             os.utime(target)  # the time of last use: eviction goes least recently used first
         except BaseException:
             lock.close()
@@ -144,9 +147,9 @@ class ShardCache:
         if _complete(target, entry["bytes"]):
             return True
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(_lock_path(target), "a") as lock:
-            if not _try(lock, fcntl.LOCK_EX):
-                return True  # someone downloads or reads it: it will be there
+        with open(_lock_path(target), "a") as lock, open(_fetch_lock_path(target), "a") as fetching:
+            if not _try(lock, fcntl.LOCK_SH) or not _try(fetching, fcntl.LOCK_EX):
+                return True  # evicted or downloaded by another process now: the reader sees to it
             if _complete(target, entry["bytes"]):
                 return True
             with self._room(entry["bytes"], needed_now=False) as fits:
@@ -307,6 +310,10 @@ def _reserved(incoming: Path) -> int:
 
 def _lock_path(target: Path) -> Path:
     return target.parent / f".{target.name}.lock"
+
+
+def _fetch_lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.fetch.lock"
 
 
 def _complete(path: Path, size: int) -> bool:
