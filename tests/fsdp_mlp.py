@@ -70,6 +70,18 @@ class Cut(ShardedLast):
         super().write_own(folder, per_rank, step)
 
 
+class Stale(ShardedLast):
+    """ShardedLast whose rank `rank` sees no manifest (a stale view of a shared folder): the
+    ranks must still act on one view, rank 0's."""
+
+    def __init__(self, *args, rank: int) -> None:
+        super().__init__(*args)
+        self.stale_rank = rank
+
+    def read_manifest(self) -> dict | None:
+        return None if self.rank == self.stale_rank else super().read_manifest()
+
+
 def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args.width, args.layers, args.dropout)
@@ -77,6 +89,8 @@ def train(args: argparse.Namespace) -> None:
     if args.fail_at:
         last = Cut(args.folder, "last", "test", at=args.fail_at, rank=args.fail_rank,
                    mode=args.fail_mode)  # fmt: skip
+    elif args.stale_rank is not None:
+        last = Stale(args.folder, "last", "test", rank=args.stale_rank)
     else:
         last = ShardedLast(args.folder, "last", "test")
     torch.manual_seed(100 + rank)  # dropout: each rank its own stream
@@ -194,6 +208,7 @@ def main() -> None:
     parser.add_argument("--fail-at", type=int, default=0)
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--fail-mode", choices=("sigkill", "exception"), default="sigkill")
+    parser.add_argument("--stale-rank", type=int, help="this rank sees no manifest of its own")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--bench", choices=("save", "load"))
     parser.add_argument("--template", action="store_true", help="save the template's module")

@@ -193,12 +193,29 @@ class ShardedLast:
         return join(self.folder, f"{self.name}.json")
 
     def manifest(self) -> dict[str, Any] | None:
-        """What is published now (None: nothing)."""
+        """Every rank: what is published now (None: nothing), as rank 0 reads it. One view
+        for all: a rank reading a stale copy (NFS attribute caching, a store's listing) would
+        otherwise save beside or load another folder than its peers."""
+        view: list[Any] = [None, ""]
+        if self.rank == 0:
+            try:
+                view[0] = self.read_manifest()
+            except Exception as err:  # said on every rank, not only rank 0
+                view[1] = f"{err}" if isinstance(err, UserError) else short(err)
+        if self.group is not None and self.world > 1:
+            dist.broadcast_object_list(view, src=0, group=self.group)
+        if view[1]:
+            raise UserError(view[1])
+        return view[0]
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        """This process's own reading of the manifest (None: there is none)."""
         exists = self.fs.isfile(join(self.root, f"{self.name}.json")) if self.fs else \
             Path(self.manifest_path).is_file()  # fmt: skip
         return read_manifest(self.manifest_path, "checkpoint") if exists else None
 
     def published_step(self) -> int | None:
+        """Every rank: the step published now (None: nothing)."""
         manifest = self.manifest()
         return manifest["step"] if manifest else None
 
