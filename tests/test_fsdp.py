@@ -275,10 +275,13 @@ def job(
 def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, module) -> None:
     """2 processes, strategy=fsdp: SIGTERM mid-epoch saves a sharded `last` (every rank its
     shards, a manifest); the same command again resumes it mid-epoch and ends with the final
-    weights of the run that never stopped, bitwise; a third run finds it finished."""
+    weights of the run that never stopped, bitwise; a third run finds it finished. The
+    stopped run saves in the background (strategy.async_save): the same weights."""
     args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=3"]
+    whole = job(args, "whole", module=module)
+    args = [*args, "strategy.async_save=true"]
     cut = [*args, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
-    whole, first = job(args, "whole", module=module), job(cut, "cut", module=module)
+    first = job(cut, "cut", module=module)
     (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
     assert code == 0, out[-3000:]
     assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]

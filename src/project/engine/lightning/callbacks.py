@@ -165,6 +165,8 @@ class RunState(pl.Callback):
         began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)
         self.checkpoints.save_hook(hook, trainer.global_step)  # every rank its own file
         trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
+        if say and hasattr(trainer.strategy, "finish_saves"):  # strategy.async_save (fsdp)
+            trainer.strategy.finish_saves()
         # a URL folder: every rank uploads its files, then rank 0 publishes them as `last`
         self.checkpoints.publish(hook, trainer.global_step, trainer.strategy.root_device)
         self.checkpoints.prune_hook(hook, trainer.global_step)

@@ -78,7 +78,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def __init__(
         self, data_parallel_size: int, blocks: Sequence[str] | None = None,
-        reshard_after_forward: bool = True, cpu_offload: bool = False,
+        reshard_after_forward: bool = True, cpu_offload: bool = False, async_save: bool = False,
         process_group_backend: str | None = None, timeout: datetime.timedelta | None = None,
         step_timeout_s: float | None = None, start_method: str = "popen",
     ) -> None:  # fmt: skip
@@ -87,6 +87,7 @@ class FSDPStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
         self.blocks = blocks or None
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        self.async_save = async_save  # the sharded `last` written in the background
         self.timeout, self.step_timeout_s = timeout, step_timeout_s  # read by RunState
         # The run's sharded `last` (train.py sets where: its folder and name); made in setup,
         # on every rank (its gloo group), closed in teardown.
@@ -125,7 +126,14 @@ class FSDPStrategy(ModelParallelStrategy):
         checkpoint.pop("optimizer_states", None)
         common = to_plain_tree(checkpoint)
         self.sharded_last.save(int(common["global_step"]), self.lightning_module.task,
-                               self.optimizers[0], common, {"rng": common.get("rng")})  # fmt: skip
+                               self.optimizers[0], common, {"rng": common.get("rng")},
+                               asynchronous=self.async_save)  # fmt: skip
+
+    def finish_saves(self) -> None:
+        """Every rank: the sharded `last` in the background written and published now (a
+        stop's or the end's save, before the run says it is saved)."""
+        if self.sharded_last is not None:
+            self.sharded_last.wait()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         """A sharded save (a folder with DCP's index): model and optimizer loaded here (on

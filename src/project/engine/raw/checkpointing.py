@@ -45,8 +45,11 @@ class Checkpointing:
         self.checkpoints.save_hook(self.comm_hook, self.global_step)  # every rank its own
         if self.sharded_last is not None:  # every rank its shards, then the manifest
             state = self.state_dict(with_model=False)
+            background = bool(self.cfg.strategy.get("async_save"))  # strategy=fsdp's key
             self.sharded_last.save(self.global_step, self.task, self.optimizer, state,
-                                   {"rng": state["rng"]})  # fmt: skip
+                                   {"rng": state["rng"]}, asynchronous=background)  # fmt: skip
+            if say:  # a stop or the end: written and published before the run says so
+                self.sharded_last.wait()
         elif self.is_zero:
             atomic_save(self.state_dict(), path)
         self.barrier()

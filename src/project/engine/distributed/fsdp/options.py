@@ -22,8 +22,8 @@ from project.engine.errors import UserError
 # DistributedDataParallel's options and the template's DDP hook: FSDP has no all-reduce buckets.
 DDP_ONLY = ("comm_hook", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
             "bucket_cap_mb", "broadcast_buffers", "forward_sync_buffers")  # fmt: skip
-KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "process_group_backend",
-        "timeout", "step_timeout_s", "start_method")  # fmt: skip
+KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "async_save",
+        "process_group_backend", "timeout", "step_timeout_s", "start_method")  # fmt: skip
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
 NO_CHECKPOINTS = "only the fault-tolerance `last` is sharded yet"
 # Exactly the template's: Lightning's own FSDPStrategy (FSDP1) is another thing with that name.
