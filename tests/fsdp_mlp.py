@@ -114,6 +114,7 @@ def train(args: argparse.Namespace) -> None:
                       asynchronous=args.asynchronous)  # fmt: skip
         if step == args.exit_at:
             break
+    last.wait()  # an async save still in flight: written and published (close only writes)
     last.close()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=True))  # fmt: skip

@@ -182,6 +182,10 @@ class ShardedLast:
         self.group = dist.new_group(backend="gloo") if distributed else None
         # An async save not yet published: (its future, step, folder name, files ok, why not).
         self.pending: tuple[Future, int, str, bool, str] | None = None
+        # Seconds from the start of the newest published save to its publication: what a
+        # stop's save costs (an async save blocks its caller only for a fraction of it).
+        self.write_s = 0.0
+        self._began = 0.0
         if is_url(self.folder):
             self.fs, self.root = open_url(self.folder, "checkpoint folder")
         else:
@@ -241,6 +245,7 @@ class ShardedLast:
         next `wait` (or `save`). Returns the seconds the caller was blocked."""
         start = time.perf_counter()
         self.wait()  # one save in flight at a time: the previous one is published first
+        self._began = time.perf_counter()
         name = self.save_folder(step)
         folder = join(self.folder, name)
         if self.rank == 0:
@@ -283,13 +288,20 @@ class ShardedLast:
         """Finish an asynchronous save (every rank) and publish it; nothing when none."""
         if self.pending is None:
             return
-        future, step, name, ok, why = self.pending
+        ok, why = self.finish_write()
+        _, step, name, _, _ = self.pending
         self.pending = None
+        self.publish(step, name, ok, why)
+
+    def finish_write(self) -> tuple[bool, str]:
+        """Wait for the pending save's write (its collectives run in DCP's thread on every
+        rank, so no rank's main thread is needed): whether it succeeded, and why not."""
+        future, _, _, ok, why = self.pending
         try:
             future.result()
         except Exception as err:
             ok, why = False, why or short(err)
-        self.publish(step, name, ok, why)
+        return ok, why
 
     def publish(self, step: int, name: str, ok: bool, why: str) -> None:
         """Every rank, its part of the save of `step` written (`ok`) or not: only when every
@@ -308,6 +320,7 @@ class ShardedLast:
                 written, why = False, short(err)
         self.agree(written, f"the manifest {self.manifest_path} could not be written ({why}); "
                             f"{kept}")  # fmt: skip
+        self.write_s = time.perf_counter() - self._began
         if self.rank == 0:
             for old in self.saves():
                 if old != name:
@@ -378,8 +391,13 @@ class ShardedLast:
                     self.group)  # fmt: skip
 
     def close(self) -> None:
-        """Finish a pending save and let the checkpoint's group go (before the default one)."""
-        self.wait()
+        """Let the checkpoint's group go (before the default one). A pending save's write is
+        finished but not published: closing is also a failure's way out, where a peer may
+        never join the agreement (call `wait()` first to publish it; the trainers' stop and
+        end saves do)."""
+        if self.pending is not None:
+            self.finish_write()
+            self.pending = None
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

@@ -170,7 +170,10 @@ class RunState(pl.Callback):
         # a URL folder: every rank uploads its files, then rank 0 publishes them as `last`
         self.checkpoints.publish(hook, trainer.global_step, trainer.strategy.root_device)
         self.checkpoints.prune_hook(hook, trainer.global_step)
-        self.stop.mark_saved(trainer.global_step, time.monotonic() - began)
+        took, sharded = time.monotonic() - began, getattr(trainer.strategy, "sharded_last", None)
+        if sharded is not None:  # in the background: a stop's save costs a whole one
+            took = max(took, sharded.write_s)
+        self.stop.mark_saved(trainer.global_step, took)
         level = logging.INFO if say else logging.DEBUG
         log.log(level, f"Saved {self.checkpoints.where} at step {trainer.global_step}")
 

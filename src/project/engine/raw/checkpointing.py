@@ -59,7 +59,10 @@ class Checkpointing:
             level = logging.INFO if say else logging.DEBUG
             log.log(level, f"Saved {self.checkpoints.where} at step {self.global_step}")
         self.checkpoints.prune_hook(self.comm_hook, self.global_step)
-        self.stop.mark_saved(self.global_step, time.monotonic() - began)
+        took = time.monotonic() - began
+        if self.sharded_last is not None:  # in the background: a stop's save costs a whole one
+            took = max(took, self.sharded_last.write_s)
+        self.stop.mark_saved(self.global_step, took)
 
     def last_path(self) -> Path:
         """Where `last` is: last.pt, or the manifest of a sharded one."""
