@@ -62,7 +62,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
         # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
-        # whose checkpoints are sharded or none (strategy=fsdp on several processes)
+        # whose checkpoints are sharded (strategy=fsdp on several processes)
         **({"enable_checkpointing": False} if c.sharded else {}),
     )
     for lg in loggers:

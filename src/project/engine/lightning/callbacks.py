@@ -165,12 +165,13 @@ class RunState(pl.Callback):
         began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)
         self.checkpoints.save_hook(hook, trainer.global_step)  # every rank its own file
         trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
-        if say and hasattr(trainer.strategy, "finish_saves"):  # strategy.async_save (fsdp)
-            trainer.strategy.finish_saves()
+        sharded = getattr(trainer.strategy, "sharded_last", None)  # strategy=fsdp's
+        if say and sharded is not None:  # a stop or the end: published before the run says so
+            sharded.wait()
         # a URL folder: every rank uploads its files, then rank 0 publishes them as `last`
         self.checkpoints.publish(hook, trainer.global_step, trainer.strategy.root_device)
         self.checkpoints.prune_hook(hook, trainer.global_step)
-        took, sharded = time.monotonic() - began, getattr(trainer.strategy, "sharded_last", None)
+        took = time.monotonic() - began
         if sharded is not None:  # in the background: a stop's save costs a whole one
             took = max(took, sharded.write_s)
         self.stop.mark_saved(trainer.global_step, took)

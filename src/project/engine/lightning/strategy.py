@@ -129,12 +129,6 @@ class FSDPStrategy(ModelParallelStrategy):
                                self.optimizers[0], common, {"rng": common.get("rng")},
                                asynchronous=self.async_save)  # fmt: skip
 
-    def finish_saves(self) -> None:
-        """Every rank: the sharded `last` in the background written and published now (a
-        stop's or the end's save, before the run says it is saved)."""
-        if self.sharded_last is not None:
-            self.sharded_last.wait()
-
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         """A sharded save (a folder with DCP's index): model and optimizer loaded here (on
         the same world size: Lightning's own resume of this strategy), the rest returned."""
