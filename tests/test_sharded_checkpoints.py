@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_same_tensors, fsdp_mlp, run_script
+from tests.helpers import (
+    ROOT,
+    assert_same_tensors,
+    finish,
+    fsdp_mlp,
+    logged_metrics,
+    run_script,
+    start,
+    torchrun,
+)
 
 pytestmark = pytest.mark.xdist_group("sharded")  # the module's runs: built once
 
@@ -192,13 +201,23 @@ def test_a_consolidated_template_module_is_taken_by_eval_and_train(
     tmp_path: Path, base_args: list[str]
 ) -> None:
     """The template's own LightningModule sharded on 2 processes, saved, consolidated: eval.py
-    tests the weights-only file, and train.py starts a run from the --optimizer one."""
+    tests the weights-only file, and the sharded save itself on 1 and 2 processes with the
+    same metrics; train.py starts a run from the --optimizer one."""
     from project.consolidate import main
 
     fsdp_mlp(tmp_path / "ckpt", "--template")
     assert main([str(tmp_path / "ckpt" / "last"), str(tmp_path / "w.pt")]) == 0
     proc = run_script("eval.py", [f"ckpt_path={tmp_path / 'w.pt'}", *base_args])
-    assert proc.returncode == 0 and "test/acc=" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    consolidated = logged_metrics(proc.stdout + proc.stderr)
+    assert "test/acc" in consolidated, consolidated
+    (folder,) = (tmp_path / "ckpt").glob("last-step*")  # the save the manifest publishes
+    for ckpt, nproc in ((tmp_path / "ckpt" / "last", 1), (folder, 2)):
+        cmd = torchrun([str(ROOT / "eval.py"), f"ckpt_path={ckpt}", *base_args,
+                        f"hydra.run.dir={tmp_path / f'eval{nproc}'}"], nproc)  # fmt: skip
+        code, out = finish(start(cmd), timeout=240)
+        assert code == 0, out[-3000:]
+        assert logged_metrics(out) == pytest.approx(consolidated, rel=1e-6), (nproc, out[-2000:])
     assert main([str(tmp_path / "ckpt" / "last"), str(tmp_path / "o.pt"), "--optimizer"]) == 0
     args = [f"ckpt_path={tmp_path / 'o.pt'}", "trainer.max_epochs=1", "test=false",
             "trainer.limit_train_batches=4", "trainer.limit_val_batches=1", *base_args]  # fmt: skip

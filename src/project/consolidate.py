@@ -59,49 +59,63 @@ def lightning_version() -> dict[str, str]:
         return {}
 
 
-def consolidate(ckpt: str, out: Path, optimizer: bool, prefix: str) -> dict[str, Any]:
-    """Write OUT (see the module docstring); returns what it holds besides tensors."""
+def gathered(
+    ckpt: str, what: str = "CKPT", prefix: str = PREFIX, optimizer_via: Path | None = None
+) -> dict[str, Any]:
+    """What OUT holds (see the module docstring), in memory: the sharded save `ckpt` names,
+    gathered on this process without a process group (eval.py reads a sharded save so).
+    `what` names `ckpt` in a one-line error; `optimizer_via`: also the optimizer's state,
+    read through a temp file at that path."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from project.engine.checkpoints.remote import is_url, join
-    from project.engine.checkpoints.sharded import COMMON, read_entries, resolve
+    from project.engine.checkpoints.sharded import COMMON, gathered_model, read_entries, resolve
 
     if is_url(ckpt):  # DCP's single-process reader reads local folders only
-        raise UserError(f"CKPT={ckpt} is a URL: copy the save folder here first (e.g. "
+        raise UserError(f"{what}={ckpt} is a URL: copy the save folder here first (e.g. "
                         "`aws s3 sync`) and give its local path")  # fmt: skip
+    folder = resolve(ckpt, what)
+    common = read_entries(join(folder, COMMON))
+    weights = {k if k.startswith(prefix) else f"{prefix}{k}": v
+               for k, v in gathered_model(folder).items()}  # fmt: skip
+    result: dict[str, Any] = {"state_dict": weights, **lightning_version()}
+    # What a Lightning checkpoint of the template carries beside the weights, where the
+    # saving trainer put it in `common`: the network's and data's configs (eval.py builds
+    # both from them) and the run's identity (a resume's checks read it).
+    result |= {k: common["common"][k] for k in CARRIED if k in common["common"]}
+    if optimizer_via is not None:  # DCP's own reader of the whole state (a file it writes)
+        try:
+            dcp_to_torch_save(folder, optimizer_via)
+            full = torch.load(optimizer_via, map_location="cpu", weights_only=True, mmap=True)
+        finally:
+            optimizer_via.unlink(missing_ok=True)
+        if "optim" not in full:
+            raise UserError(f"{what}={ckpt} holds no optimizer state: leave out --optimizer")
+        result |= {"optimizer_states": [numbered(full["optim"])], "lr_schedulers": []}
+    result["consolidated_from"] = {
+        "folder": folder, "step": common["step"], "world": common["world"],
+        "trainer": common["trainer"],
+    }  # fmt: skip
+    return result
+
+
+def consolidate(ckpt: str, out: Path, optimizer: bool, prefix: str) -> dict[str, Any]:
+    """Write OUT (see the module docstring); returns where it came from."""
+    import torch
+
     if out.exists():
         raise UserError(f"{out} exists: give a new file name (nothing was overwritten)")
     if not out.parent.is_dir():
         raise UserError(f"{out.parent} is not a folder: create it first")
-    folder = resolve(ckpt, "CKPT")
-    common = read_entries(join(folder, COMMON))
-    # DCP's own single-process reader, into a temp file beside OUT: the whole state, gathered.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.dcp")
+    via = out.with_name(f".{out.name}.{os.getpid()}.dcp") if optimizer else None
+    result = gathered(ckpt, "CKPT", prefix, via)
+    done = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        dcp_to_torch_save(folder, tmp)
-        full = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
-        weights = {k if k.startswith(prefix) else f"{prefix}{k}": v
-                   for k, v in full["model"].items()}  # fmt: skip
-        result: dict[str, Any] = {"state_dict": weights, **lightning_version()}
-        # What a Lightning checkpoint of the template carries beside the weights, where the
-        # saving trainer put it in `common`: the network's and data's configs (eval.py builds
-        # both from them) and the run's identity (a resume's checks read it).
-        result |= {k: common["common"][k] for k in CARRIED if k in common["common"]}
-        if optimizer:
-            if "optim" not in full:
-                raise UserError(f"CKPT={ckpt} holds no optimizer state: leave out --optimizer")
-            result |= {"optimizer_states": [numbered(full["optim"])], "lr_schedulers": []}
-        result["consolidated_from"] = {
-            "folder": folder, "step": common["step"], "world": common["world"],
-            "trainer": common["trainer"],
-        }  # fmt: skip
-        done = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         torch.save(result, done)
         os.replace(done, out)
     finally:
-        tmp.unlink(missing_ok=True)
-        out.with_name(f".{out.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
     return result["consolidated_from"]
 
 

@@ -26,16 +26,23 @@ LOADING_KEYS = ("batch_size", "num_workers", "pin_memory", "persistent_workers")
 
 def load_checkpoint(path: str | None, staging: Path | None = None) -> dict[str, Any]:
     """Load `path` with weights_only=True, or raise a one-line UserError saying what is wrong.
-    A URL (s3://...) is downloaded into `staging` first."""
+    A URL (s3://...) is downloaded into `staging` first. A sharded save (strategy=fsdp's
+    `last`: its folder, or the `last` its manifest publishes) is gathered whole on each
+    process, as `python -m project.consolidate` writes it."""
+    from project.consolidate import gathered
     from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url
+    from project.engine.checkpoints.sharded import names_save
     from project.engine.checkpoints.state import read_checkpoint
 
     if path is None:
         raise UserError("ckpt_path is required: python eval.py ckpt_path=/path/to/last.ckpt")
-    local = path
-    if is_url(path):
-        local = fetch_checkpoint(path, staging or Path(STAGING), "ckpt_path")
-    ckpt = read_checkpoint(local, "ckpt_path")
+    if names_save(path):
+        ckpt = gathered(path, "ckpt_path")
+    else:
+        local = (
+            fetch_checkpoint(path, staging or Path(STAGING), "ckpt_path") if is_url(path) else path
+        )
+        ckpt = read_checkpoint(local, "ckpt_path")
     hparams = ckpt.get("hyper_parameters") or {}
     if "state_dict" not in ckpt or "task" not in hparams or "net" not in hparams:
         raise UserError(

@@ -29,6 +29,7 @@ import io
 import json
 import os
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,15 @@ def is_sharded(folder: str) -> bool:
         fs, inner = open_url(folder, "checkpoint")
         return fs.isfile(join(inner, METADATA)) and fs.isfile(join(inner, COMMON))
     return (Path(folder) / METADATA).is_file() and (Path(folder) / COMMON).is_file()
+
+
+def names_save(path: str) -> bool:
+    """Whether a local `path` names a sharded save rather than a one-file checkpoint: a
+    folder, a manifest (`.json`), or a `last` only a manifest publishes (`resolve` reads it)."""
+    p = Path(path)
+    return not is_url(path) and (
+        p.is_dir() or p.suffix == ".json" or (not p.exists() and Path(f"{path}.json").is_file())
+    )
 
 
 def resolve(path: str | Path, what: str) -> str:
@@ -166,6 +176,24 @@ def load(
     mine = read_entries(join(folder, own_file(rank))) if own else None
     return Loaded(common["step"], common["common"], mine, common["world"], own, folder,
                   common["trainer"])  # fmt: skip
+
+
+def gathered_model(folder: str) -> dict[str, torch.Tensor]:
+    """The whole model of a local save folder (every rank's shards joined), read on this
+    process without a process group: the tensors DCP's index lists under `model`, built
+    from their recorded sizes and filled by DCP's own reader. Model entries only: the
+    optimizer's state is not read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(folder)
+    entries = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in entries.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}  # fmt: skip
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: meant so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
 
 
 class ShardedLast:
