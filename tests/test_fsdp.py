@@ -126,7 +126,6 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
     ("overrides", "resume", "needle"),
     [
         ([], None, "callbacks.model_checkpoint is not supported"),
-        (["callbacks.model_checkpoint=null", "ckpt_path=x.ckpt"], None, "set ckpt_path=null"),
         (["callbacks.model_checkpoint=null"], Path("last.ckpt"),
          "last.ckpt is a one-file checkpoint"),
         (["callbacks.model_checkpoint=null",
@@ -135,16 +134,16 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
     ],
 )  # fmt: skip
 def test_checkpoints_on_several_processes_are_refused(compose_train, overrides, resume, needle):
-    """Only the fault-tolerance `last` is sharded: best-k, a ckpt_path, a one-file `last` to
-    resume and a URL folder are one line each."""
+    """Only the fault-tolerance `last` is sharded: best-k, a run folder's one-file `last` to
+    resume and a URL folder are one line each; a one-file ckpt_path is taken (a new run)."""
     cfg = compose_train(["strategy=fsdp", *overrides])
     fsdp_options.check(cfg, 2)  # the rest is fine
     with pytest.raises(UserError, match=re.escape(needle)):
         fsdp_options.check_checkpoints(cfg, resume)
-    # the fault-tolerance `last` alone is fine
-    fsdp_options.check_checkpoints(
-        compose_train(["strategy=fsdp", "callbacks.model_checkpoint=null"]), None
-    )
+    # the fault-tolerance `last` alone is fine, and a one-file checkpoint given as ckpt_path
+    fine = ["strategy=fsdp", "callbacks.model_checkpoint=null"]
+    fsdp_options.check_checkpoints(compose_train(fine), None)
+    fsdp_options.check_checkpoints(compose_train([*fine, "ckpt_path=x.ckpt"]), Path("x.ckpt"))
 
 
 @pytest.mark.quick
@@ -302,13 +301,53 @@ def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, m
     assert code == 0 and "This run already finished" in out, out[-3000:]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "module",
+    [
+        "project.train",
+        "project.raw_train",  # feature:raw
+    ],
+)
+def test_ckpt_path_crosses_between_ddp_and_fsdp(base_args, log_dir, module) -> None:
+    """A DDP run's one-file `last` continued under strategy=fsdp (each rank keeps its shards
+    of it) and an FSDP run's sharded `last` continued under strategy=ddp (gathered whole on
+    each rank), 2 processes each, as ckpt_path: digits trains bitwise alike under both
+    strategies, so both continuations end with the same weights."""
+    args = [
+        *base_args,
+        *SHARDED[1:],
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=6",
+        "model/scheduler=none",
+    ]  # a cosine over 1 epoch ends at lr 0: nothing to continue
+    ddp, fsdp = [*args, "strategy=ddp"], [*args, "strategy=fsdp"]
+    for code, out in [finish(j, 300) for j in (job(ddp, "ddp", module=module),
+                                                job(fsdp, "fsdp", module=module))]:  # fmt: skip
+        assert code == 0, out[-3000:]
+    runs = log_dir / "train" / "runs"
+    assert_same_weights(runs / "ddp", runs / "fsdp")
+    one_file = runs / "ddp" / "checkpoints" / ("last.pt" if "raw" in module else "last.ckpt")
+    last = runs / "fsdp" / "checkpoints" / sharded_manifest(module).removesuffix(".json")
+    more = "trainer.max_epochs=2"
+    to_fsdp = job([*fsdp, more, f"ckpt_path={one_file}"], "to_fsdp", module=module)
+    to_ddp = job([*ddp, more, f"ckpt_path={last}"], "to_ddp", module=module)
+    for code, out in [finish(to_fsdp, 300), finish(to_ddp, 300)]:
+        assert code == 0, out[-3000:]
+    assert (runs / "to_fsdp" / "checkpoints" / sharded_manifest(module)).is_file()
+    assert_same_weights(runs / "to_fsdp", runs / "to_ddp")
+    before, after = final_weights(runs / "ddp"), final_weights(runs / "to_ddp")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # trained on
+
+
 # Rows of tests.user_data.RecordedSource: 2 epochs of 12 steps of a global batch of 40.
 ROWS = 480
 
 
 @pytest.mark.distributed
-def test_lightning_refuses_a_sharded_last_on_one_process(base_args, log_dir) -> None:
-    """Lightning's one-process strategy loads no shards yet: one line, exit 2, `last` kept."""
+def test_lightning_on_one_process_takes_a_sharded_last_as_ckpt_path_only(base_args, log_dir) -> None:
+    """Lightning does not continue a sharded `last` in its run folder on one process: one
+    line, exit 2, `last` kept; the new run that line offers (ckpt_path) starts from it."""
     args = [*base_args, *SHARDED, "trainer.max_epochs=3", "trainer.limit_train_batches=10"]
     cut = [*args, "fault_injection.at_step=3", "fault_injection.mode=sigterm"]
     code, out = finish(job(cut, "cut", module="project.train"), 300)
@@ -317,8 +356,11 @@ def test_lightning_refuses_a_sharded_last_on_one_process(base_args, log_dir) -> 
     before = manifest.read_text()
     code, out = finish(job(args, "cut", nproc=1, module="project.train"), 300)
     assert code == 2, out[-3000:]
-    assert "which Lightning resumes under strategy=fsdp on several processes only" in out
+    assert "which Lightning continues in its run folder under strategy=fsdp on several" in out
     assert manifest.read_text() == before
+    offered = re.search(r"ckpt_path=(\S+)", one_error_line(out))[1]
+    code, out = finish(job([*args, f"ckpt_path={offered}"], "one", nproc=1, module="project.train"))
+    assert code == 0 and "Restored all states" in out, out[-3000:]
 
 
 @pytest.mark.distributed

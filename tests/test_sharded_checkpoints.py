@@ -74,7 +74,7 @@ def test_consolidate_refuses_bad_input_in_one_line(
 # --- torchrun jobs (the full tier) ---------------------------------------------------------------
 @pytest.mark.quick
 def test_a_consolidated_optimizer_starts_its_schedule_afresh() -> None:
-    from project.consolidate import numbered
+    from project.engine.checkpoints.whole import numbered
 
     # After 6 of 10 cosine epochs the saved groups hold a decayed lr: a run built on the file
     # must begin at the schedule's start (its new scheduler scales whatever lr it is given).

@@ -202,7 +202,10 @@ def find_resume(
         path, what = last, "the run's last checkpoint"
     else:
         return Resume()
-    ckpt = sharded_entries(path, kind) if is_sharded(str(path)) else read_checkpoint(path, what)
+    if folder := sharded_folder(path, what):  # the save itself, as both trainers load it
+        path, ckpt = folder, sharded_entries(folder, kind)
+    else:
+        ckpt = read_checkpoint(path, what)
     if kind not in ckpt:
         own = "a .ckpt of train.py" if kind == "state_dict" else "a .pt of the raw trainer"
         raise UserError(
@@ -217,11 +220,12 @@ def find_resume(
                   state.get("callbacks"))  # fmt: skip
 
 
-def is_sharded(path: str) -> bool:
-    """Whether `path` is a complete sharded save (project.engine.checkpoints.sharded)."""
-    from project.engine.checkpoints.sharded import is_sharded as complete
+def sharded_folder(path: Path, what: str) -> Path | None:
+    """The save folder a sharded `path` names (project.engine.checkpoints.sharded: the
+    folder, its manifest or the `last` it publishes); None: `path` is one file."""
+    from project.engine.checkpoints.sharded import names_save, resolve  # torch: when needed
 
-    return not is_url(path) and Path(path).is_dir() and complete(path)
+    return Path(resolve(str(path), what)) if names_save(str(path)) else None
 
 
 def sharded_entries(folder: Path, kind: str) -> dict[str, Any]:

@@ -29,7 +29,6 @@ import io
 import json
 import os
 import time
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from project.engine.checkpoints.remote import is_url, join, open_url, short
 from project.engine.checkpoints.state import atomic_save
@@ -178,22 +179,29 @@ def load(
                   common["trainer"])  # fmt: skip
 
 
-def gathered_model(folder: str) -> dict[str, torch.Tensor]:
-    """The whole model of a local save folder (every rank's shards joined), read on this
-    process without a process group: the tensors DCP's index lists under `model`, built
-    from their recorded sizes and filled by DCP's own reader. Model entries only: the
-    optimizer's state is not read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def holds_shards(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded (FSDP2: its parameters are DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
-    reader = dcp.FileSystemReader(folder)
-    entries = reader.read_metadata().state_dict_metadata
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in entries.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}  # fmt: skip
-    with warnings.catch_warnings():  # DCP's note that it loads in one process: meant so
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+
+def load_whole(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Every rank: a one-file checkpoint's whole `model` state (and `optimizer` state, in
+    torch's layout numbered by parameter order) into a sharded model, each rank keeping its
+    shards: a DDP run's checkpoint continued under strategy=fsdp."""
+    whole = StateDictOptions(full_state_dict=True)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=whole)
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = state["optimizer"]
+    optim = {"state": {order[i]: v for i, v in saved["state"].items()},
+             "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
+                              for g in saved["param_groups"]]}  # fmt: skip
+    set_state_dict(model, [optimizer], model_state_dict=state["model"],
+                   optim_state_dict=optim, options=whole)  # fmt: skip
 
 
 class ShardedLast:

@@ -4,6 +4,7 @@ position), atomic checkpoint writes, per-step statistics and fault injection."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -14,6 +15,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from project.engine.checkpoints import sharded, whole
 from project.engine.checkpoints.state import atomic_save
 from project.engine.data import sharding
 from project.engine.distributed import comm_hooks, faults, hangs
@@ -241,10 +243,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.ledger = ledger
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # A sharded save (strategy=fsdp's, given to a run on one process or under DDP):
+        # gathered whole on each process (checkpoints.whole.resumable).
+        if sharded.names_save(str(path)):
+            read = functools.partial(whole.resumable, str(path))
+        else:
+            read = functools.partial(super().load_checkpoint, path, *args, **kwargs)
         if self.ledger is None or self.ledger.phase == ledgers.TEST:  # the weights to test
-            return super().load_checkpoint(path, *args, **kwargs)
+            return read()
         with self.ledger.during(ledgers.RELOAD):
-            return super().load_checkpoint(path, *args, **kwargs)
+            return read()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None

@@ -116,9 +116,12 @@ class Checkpointing:
         else:
             with nothing if weights_only else self.ledger.during(ledgers.RELOAD):
                 state = torch.load(path, map_location=self.device, weights_only=True)
-            self.task.load_state_dict(state["model"])
-            if not weights_only:
-                self.optimizer.load_state_dict(state["optimizer"])
+            if sharded.holds_shards(self.task):  # a DDP run's last.pt under strategy=fsdp
+                sharded.load_whole(self.task, None if weights_only else self.optimizer, state)
+            else:
+                self.task.load_state_dict(state["model"])
+                if not weights_only:
+                    self.optimizer.load_state_dict(state["optimizer"])
         if weights_only:
             return
         if self.scheduler and state["scheduler"]:

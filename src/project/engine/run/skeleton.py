@@ -204,8 +204,9 @@ def check_strategy(run: Run, trainer: str) -> None:
     if trainer == "lightning" and run.checkpoints.sharded and not fsdp:
         raise UserError(
             f"{run.checkpoints.sharded_manifest} publishes a sharded `last`, which Lightning "
-            "resumes under strategy=fsdp on several processes only (not on one process yet): "
-            "rerun with strategy=fsdp and trainer.devices >= 2, or use another RUN_ID"
+            "continues in its run folder under strategy=fsdp on several processes only: rerun "
+            "with strategy=fsdp and trainer.devices >= 2, or start a new run (another RUN_ID) "
+            f"from it: ckpt_path={run.checkpoints.sharded_manifest.with_suffix('')}"
         )
     if not fsdp_options.chosen(strategy):
         ddp.check_options(strategy, run.cfg.trainer, world)

@@ -5,7 +5,8 @@ DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, anoth
 method than popen, a `blocks` class the network lacks or parameters outside it, and (on
 several processes) the checkpoints not written sharded yet: the fault-tolerance `last` of
 both trainers is (project.engine.checkpoints.sharded); the best-k checkpoints of
-`callbacks.model_checkpoint` and an explicit `ckpt_path` are not.
+`callbacks.model_checkpoint` are not. An explicit `ckpt_path` may be sharded or one file (a
+DDP run's: each rank keeps its shards of it).
 """
 
 from __future__ import annotations
@@ -135,17 +136,13 @@ def check_network(cfg: DictConfig) -> None:
 
 def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
     """On several processes, what is not written sharded yet is refused (one line): the
-    fault-tolerance `last` is (project.engine.checkpoints.sharded), nothing else."""
+    fault-tolerance `last` is (project.engine.checkpoints.sharded), nothing else; a run
+    folder's one-file `last` is not continued (an explicit `ckpt_path` may be one file)."""
     callbacks = cfg.get("callbacks") or {}
     if callbacks.get("model_checkpoint") is not None:
         raise UserError(
             f"callbacks.model_checkpoint is not supported with strategy=fsdp on several "
             f"processes ({NO_CHECKPOINTS}): set callbacks.model_checkpoint=null"
-        )
-    if cfg.get("ckpt_path"):
-        raise UserError(
-            f"ckpt_path is not supported with strategy=fsdp on several processes "
-            f"({NO_CHECKPOINTS}): set ckpt_path=null"
         )
     dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
     if dirpath is not None and "://" in str(dirpath):  # a URL (checkpoints.remote.is_url)
@@ -153,7 +150,7 @@ def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
             f"callbacks.fault_tolerance.dirpath={dirpath}: strategy=fsdp on several processes "
             "writes its sharded `last` to a local (or shared) folder only yet: give a folder"
         )
-    if resume is not None and not resume.is_dir():  # a sharded save is a folder
+    if resume is not None and not resume.is_dir() and not cfg.get("ckpt_path"):
         raise UserError(
             f"this run folder's {resume.name} is a one-file checkpoint, which strategy=fsdp on "
             "several processes cannot load (it resumes sharded ones): resume it with the "
