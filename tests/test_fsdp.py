@@ -32,7 +32,6 @@ from project.models.mlp import MLP
 from tests.helpers import (
     FSDP,
     QUIET,
-    SHARDED_RAW,
     assert_same_weights,
     final_weights,
     finish,
@@ -296,6 +295,8 @@ def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, m
     code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "skipping" in out, out[-3000:]
     assert_same_weights(runs / "whole", runs / "cut")
+    goodput = json.loads((runs / "cut" / "goodput.json").read_text())
+    assert goodput["attempts"][-1]["buckets"]["reload"] > 0, goodput  # the shards' load, booked
     assert sharded_entries(manifest)["common"]["project"]["finished"]
     code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "This run already finished" in out, out[-3000:]
@@ -345,42 +346,53 @@ ROWS = 480
 
 
 @pytest.mark.distributed
-def test_lightning_on_one_process_takes_a_sharded_last_as_ckpt_path_only(base_args, log_dir) -> None:
-    """Lightning does not continue a sharded `last` in its run folder on one process: one
-    line, exit 2, `last` kept; the new run that line offers (ckpt_path) starts from it."""
+def test_lightning_refuses_a_sharded_last_under_ddp(base_args, log_dir) -> None:
+    """Lightning's DDP writes one-file checkpoints, so it does not continue a run folder whose
+    `last` is sharded: one line offering a new run from it (ckpt_path), exit 2, `last` kept."""
     args = [*base_args, *SHARDED, "trainer.max_epochs=3", "trainer.limit_train_batches=10"]
     cut = [*args, "fault_injection.at_step=3", "fault_injection.mode=sigterm"]
     code, out = finish(job(cut, "cut", module="project.train"), 300)
     assert code == EXIT_PREEMPTED, out[-3000:]
     manifest = log_dir / "train" / "runs" / "cut" / "checkpoints" / "last-ckpt.json"
     before = manifest.read_text()
-    code, out = finish(job(args, "cut", nproc=1, module="project.train"), 300)
+    code, out = finish(job([*args, "strategy=ddp"], "cut", module="project.train"), 300)
     assert code == 2, out[-3000:]
-    assert "which Lightning continues in its run folder under strategy=fsdp on several" in out
+    line = one_error_line(out)
+    assert "continues in its run folder under strategy=fsdp or on one process" in line, line
+    assert f"ckpt_path={manifest.with_suffix('')}" in line, line
     assert manifest.read_text() == before
-    offered = re.search(r"ckpt_path=(\S+)", one_error_line(out))[1]
-    code, out = finish(job([*args, f"ckpt_path={offered}"], "one", nproc=1, module="project.train"))
-    assert code == 0 and "Restored all states" in out, out[-3000:]
 
 
 @pytest.mark.distributed
-def test_a_sharded_last_continues_on_another_world_size(base_args, tmp_path, log_dir) -> None:
-    """The raw trainer, stopped in epoch 0 on 2 processes, continued on 1: the state
-    reshards, the global batch and every row of the epoch are kept once, the optimizer steps
-    are those of the run that never stopped and the final weights within float tolerance."""
+@pytest.mark.parametrize(
+    "module",
+    [
+        "project.train",
+        "project.raw_train",  # feature:raw
+    ],
+)
+def test_a_sharded_last_continues_on_another_world_size(
+    base_args, tmp_path, log_dir, module
+) -> None:
+    """Each trainer, stopped in epoch 0 on 2 processes, continued on 1 in its run folder: the
+    state reshards (Lightning: gathered whole), the global batch and every row of the epoch
+    are kept once, the optimizer steps are those of the run that never stopped, the final
+    weights within float tolerance, and the `last` it writes is sharded again."""
     args = [*base_args, *SHARDED, *recorded_data(tmp_path, ROWS),
             "data.batch_size=20", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
             "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
     cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
-    whole, first = job(args, "whole", RECORD_TAG="whole"), job(cut, "cut", RECORD_TAG="first")
+    whole = job(args, "whole", module=module, RECORD_TAG="whole")
+    first = job(cut, "cut", module=module, RECORD_TAG="first")
     (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
     assert code == 0, out[-3000:]
     assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
-    code, out = finish(job(args, "cut", nproc=1, RECORD_TAG="second"), 300)
+    code, out = finish(job(args, "cut", nproc=1, module=module, RECORD_TAG="second"), 300)
     assert code == 0 and "the global batch of 40 is kept" in out, out[-3000:]
     assert "Resuming epoch 0" in out, out[-3000:]
     runs = log_dir / "train" / "runs"
-    steps = [sharded_entries(runs / r / "checkpoints" / SHARDED_RAW)["step"]
+    assert not list((runs / "cut").rglob("last.pt")) + list((runs / "cut").rglob("*.ckpt"))
+    steps = [sharded_entries(runs / r / "checkpoints" / sharded_manifest(module))["step"]
              for r in ("cut", "whole")]  # fmt: skip
     assert steps[0] == steps[1] == 24, steps
     first_reads, second = recorded_reads(tmp_path, "first"), recorded_reads(tmp_path, "second")

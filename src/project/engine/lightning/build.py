@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -21,6 +22,7 @@ from project.engine.distributed import ddp
 from project.engine.distributed.exits import Preempted
 from project.engine.errors import UserError
 from project.engine.lightning.callbacks import FaultInjection, RunState, StepStatsCallback
+from project.engine.lightning.strategy import OneProcessShardedLast
 from project.engine.private_api import kill_launched_ranks
 from project.engine.run.console import quiet_lightning
 from project.engine.run.skeleton import Run
@@ -34,9 +36,15 @@ def instantiate_all(group: Mapping[str, Any] | None) -> list[Any]:
 
 
 def strategy(run: Run) -> Any:
-    """The DDPStrategy of the `strategy` group, or "auto" for one process in total."""
+    """The DDPStrategy of the `strategy` group, or "auto" for one process in total; one
+    process continuing a run folder whose `last` is sharded keeps writing it so."""
     quiet_lightning()  # after Lightning's import: each of its lines once, rank 0 only
-    return ddp.build_strategy(run.cfg.get("strategy"), run.topology)
+    built = ddp.build_strategy(run.cfg.get("strategy"), run.topology)
+    if built == "auto" and run.checkpoints.sharded:
+        accelerator = str(run.cfg.trainer.get("accelerator") or "auto")
+        gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        return OneProcessShardedLast(torch.device("cuda", 0) if gpu else torch.device("cpu"))
+    return built
 
 
 def callbacks(run: Run, loggers: list[Any]) -> list[Any]:

@@ -8,6 +8,7 @@ import functools
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -246,10 +247,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         # A sharded save (strategy=fsdp's, given to a run on one process or under DDP):
         # gathered whole on each process (checkpoints.whole.resumable).
         if sharded.names_save(str(path)):
-            read = functools.partial(whole.resumable, str(path))
-        else:
-            read = functools.partial(super().load_checkpoint, path, *args, **kwargs)
-        if self.ledger is None or self.ledger.phase == ledgers.TEST:  # the weights to test
+            return self.booked(functools.partial(whole.resumable, str(path)))
+        return self.booked(functools.partial(super().load_checkpoint, path, *args, **kwargs))
+
+    def booked(self, read: Callable[[], Any]) -> Any:
+        """`read()` booked to the ledger's reload phase (goodput), but the weights to test."""
+        if self.ledger is None or self.ledger.phase == ledgers.TEST:
             return read()
         with self.ledger.during(ledgers.RELOAD):
             return read()

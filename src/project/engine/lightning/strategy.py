@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from torch.distributed.fsdp import FSDPModule
 
 from project.engine.checkpoints import sharded
@@ -67,7 +68,54 @@ class DDPStrategy(LightningDDPStrategy):
             super().on_exception(exception)
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class ShardedLastWriter:
+    """A strategy whose run writes its `last` sharded (project.engine.checkpoints.sharded):
+    train.py sets `sharded_at` (folder, name, the one-file path RunState saves to); setup
+    makes the ShardedLast (every rank: its gloo group), teardown closes it. A save to that
+    path writes model and optimizer as shards, every other entry of the checkpoint as it is
+    (`common`), each rank's RNG states its own, published once every rank's part is
+    complete. Mixed in before a Lightning strategy."""
+
+    sharded_at: tuple[Path, str, Path] | None = None  # folder, name, one-file path
+    sharded_last: ShardedLast | None = None
+    async_save = False  # the sharded `last` written in the background
+
+    def open_sharded_last(self) -> None:
+        if self.sharded_at is not None and self.sharded_last is None:
+            folder, name, _ = self.sharded_at
+            self.sharded_last = ShardedLast(folder, name, "lightning")
+
+    def teardown(self) -> None:
+        if self.sharded_last is not None:  # its group goes before the default one
+            self.sharded_last.close()
+            self.sharded_last = None
+        super().teardown()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if self.sharded_last is None or Path(filepath) != self.sharded_at[2]:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        common = to_plain_tree(checkpoint)
+        self.sharded_last.save(int(common["global_step"]), self.lightning_module.task,
+                               self.optimizers[0], common, {"rng": common.get("rng")},
+                               asynchronous=self.async_save)  # fmt: skip
+
+
+class OneProcessShardedLast(ShardedLastWriter, SingleDeviceStrategy):
+    """One process continuing a run folder whose `last` is sharded (a run of several
+    processes under strategy=fsdp, resumed on one): it keeps writing that `last` sharded, so
+    the folder's manifest stays the newest save. The sharded save loads through the
+    checkpoint IO (AtomicCheckpointIO gathers it whole)."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self.open_sharded_last()
+
+
+class FSDPStrategy(ShardedLastWriter, ModelParallelStrategy):
     """FSDP2 (`fully_shard`) over the whole world: Lightning's mesh with data_parallel = world
     size and tensor_parallel = 1, whose data-parallel dimension is the default process group
     (torch 2.13), the one the step timeout and the hang report watch, as for DDP.
@@ -89,10 +137,6 @@ class FSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
         self.async_save = async_save  # the sharded `last` written in the background
         self.timeout, self.step_timeout_s = timeout, step_timeout_s  # read by RunState
-        # The run's sharded `last` (train.py sets where: its folder and name); made in setup,
-        # on every rank (its gloo group), closed in teardown.
-        self.sharded_at: tuple[Path, str, Path] | None = None  # folder, name, one-file path
-        self.sharded_last: ShardedLast | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -104,30 +148,7 @@ class FSDPStrategy(ModelParallelStrategy):
                 f"strategy=fsdp: {type(self.lightning_module).__name__}.configure_model did not "
                 "shard the network: call super().configure_model() in yours"
             )
-        if self.sharded_at is not None and self.sharded_last is None:
-            folder, name, _ = self.sharded_at
-            self.sharded_last = ShardedLast(folder, name, "lightning")
-
-    def teardown(self) -> None:
-        if self.sharded_last is not None:  # its group goes before the default one
-            self.sharded_last.close()
-            self.sharded_last = None
-        super().teardown()
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
-    ) -> None:
-        """RunState's `last` (every rank): model and optimizer as shards, every other entry of
-        the checkpoint as it is (`common`), each rank's RNG states its own; published by the
-        manifest once every rank's part is complete (project.engine.checkpoints.sharded)."""
-        if self.sharded_last is None or Path(filepath) != self.sharded_at[2]:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
-        common = to_plain_tree(checkpoint)
-        self.sharded_last.save(int(common["global_step"]), self.lightning_module.task,
-                               self.optimizers[0], common, {"rng": common.get("rng")},
-                               asynchronous=self.async_save)  # fmt: skip
+        self.open_sharded_last()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         """A sharded save (a folder with DCP's index): model and optimizer loaded here (on
@@ -135,9 +156,11 @@ class FSDPStrategy(ModelParallelStrategy):
         if not sharded.is_sharded(str(checkpoint_path)):
             return super().load_checkpoint(checkpoint_path, weights_only)
         group = self.sharded_last.group if self.sharded_last is not None else None
-        loaded = sharded.load(str(checkpoint_path), self.lightning_module.task,
-                              self.optimizers[0] if self.optimizers else None, "ckpt_path",
-                              group)  # fmt: skip
+        load = functools.partial(sharded.load, str(checkpoint_path), self.lightning_module.task,
+                                 self.optimizers[0] if self.optimizers else None, "ckpt_path",
+                                 group)  # fmt: skip
+        booked = getattr(self.checkpoint_io, "booked", None)  # AtomicCheckpointIO: goodput
+        loaded = booked(load) if booked is not None else load()
         checkpoint = dict(loaded.common)
         if loaded.own and loaded.mine is not None:  # each rank continues its own streams
             checkpoint["rng"] = loaded.mine["rng"]

@@ -193,20 +193,20 @@ def prepare(run: Run, entry: EntryPoint) -> None:
 
 def check_strategy(run: Run, trainer: str) -> None:
     """The strategy's options against the hardware and the trainer's, before any process group.
-    FSDP on several processes writes its `last` sharded (fsdp.options.check_checkpoints);
-    `trainer`: "lightning" or "raw" (only the raw trainer resumes a sharded `last` on one
-    process)."""
+    FSDP on several processes writes its `last` sharded (fsdp.options.check_checkpoints), and
+    a run folder that holds a sharded `last` keeps it sharded: on any world size, but under
+    Lightning's DDP (`trainer`: "lightning" or "raw")."""
     from project.engine.distributed import ddp
     from project.engine.distributed.fsdp import options as fsdp_options
 
     strategy, world = run.cfg.get("strategy"), run.topology.world_size
-    fsdp = fsdp_options.chosen(strategy) and world > 1
-    if trainer == "lightning" and run.checkpoints.sharded and not fsdp:
+    fsdp = fsdp_options.chosen(strategy)
+    if trainer == "lightning" and run.checkpoints.sharded and world > 1 and not fsdp:
         raise UserError(
             f"{run.checkpoints.sharded_manifest} publishes a sharded `last`, which Lightning "
-            "continues in its run folder under strategy=fsdp on several processes only: rerun "
-            "with strategy=fsdp and trainer.devices >= 2, or start a new run (another RUN_ID) "
-            f"from it: ckpt_path={run.checkpoints.sharded_manifest.with_suffix('')}"
+            "continues in its run folder under strategy=fsdp or on one process, not under "
+            "DDP: rerun with strategy=fsdp, or start a new run (another RUN_ID) from it: "
+            f"ckpt_path={run.checkpoints.sharded_manifest.with_suffix('')}"
         )
     if not fsdp_options.chosen(strategy):
         ddp.check_options(strategy, run.cfg.trainer, world)
