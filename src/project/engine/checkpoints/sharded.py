@@ -31,6 +31,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -207,15 +208,19 @@ def load_whole(
 class ShardedLast:
     """A run's sharded `last` in `folder` (a path or an fsspec URL), published as `<name>.json`.
     Every rank builds one (it makes the checkpoint's gloo group: a collective) and calls
-    `save`, `wait` and `load` together. `trainer` is recorded: which trainer wrote it."""
+    `save`, `wait` and `load` together. `trainer` is recorded: which trainer wrote it.
+    `timeout`: how long a checkpoint collective waits for a peer (None: torch's 30 minutes;
+    the trainers give their collectives' own outside the steps, ddp.outside_steps_timeout)."""
 
-    def __init__(self, folder: str | Path, name: str, trainer: str) -> None:
+    def __init__(
+        self, folder: str | Path, name: str, trainer: str, timeout: timedelta | None = None
+    ) -> None:
         self.folder, self.name, self.trainer = str(folder).rstrip("/"), name, trainer
         self.rank, self.world = world()
         # Checkpoint collectives on a gloo group of their own (see the module docstring); on
         # one process too: DCP's async save needs a group with a CPU backend.
         distributed = dist.is_available() and dist.is_initialized()
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         # An async save not yet published: (its future, step, folder name, files ok, why not).
         self.pending: tuple[Future, int, str, bool, str] | None = None
         # Seconds from the start of the newest published save to its publication: what a

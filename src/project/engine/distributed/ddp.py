@@ -247,6 +247,16 @@ def errors_reported() -> Iterator[None]:
         )
 
 
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)  # strategy.timeout when it is unset
+
+
+def outside_steps_timeout(timeout: datetime.timedelta | None) -> datetime.timedelta:
+    """How long a collective outside the training steps waits before it fails: `timeout`
+    (strategy.timeout, 600 s when unset) and CollectiveTimeout.REPORT_S (the hang report's
+    margin). The checkpoint group's own collectives (sharded saves) get it too."""
+    return (timeout or DEFAULT_TIMEOUT) + datetime.timedelta(seconds=CollectiveTimeout.REPORT_S)
+
+
 class CollectiveTimeout:
     """Two deadlines, for both trainers: how long a rank may make no progress before the hang
     report (project.engine.distributed.hangs), and, REPORT_S longer, how long a collective
@@ -273,7 +283,7 @@ class CollectiveTimeout:
     def __init__(
         self, step_s: float | None, long: datetime.timedelta | None, world_size: int
     ) -> None:
-        self.long = (long or datetime.timedelta(seconds=600)).total_seconds()
+        self.long = (long or DEFAULT_TIMEOUT).total_seconds()
         step = step_s if step_s and world_size > 1 else None
         self.step = min(step, self.long) if step else None  # never longer than `timeout`
         self.world_size = world_size

@@ -83,7 +83,8 @@ class ShardedLastWriter:
     def open_sharded_last(self) -> None:
         if self.sharded_at is not None and self.sharded_last is None:
             folder, name, _ = self.sharded_at
-            self.sharded_last = ShardedLast(folder, name, "lightning")
+            timeout = ddp.outside_steps_timeout(getattr(self, "timeout", None))
+            self.sharded_last = ShardedLast(folder, name, "lightning", timeout)
 
     def teardown(self) -> None:
         if self.sharded_last is not None:  # its group goes before the default one

@@ -104,7 +104,8 @@ class RawTrainer(Checkpointing):
         self.setup_distributed(run.topology)
         # `last` sharded (raw/checkpointing.py): its own gloo group, made on every rank now
         self.sharded_last = ShardedLast(self.checkpoints.last.parent,
-                                        self.checkpoints.sharded_name, "raw") \
+                                        self.checkpoints.sharded_name, "raw",
+                                        ddp.outside_steps_timeout(self.timeout)) \
             if self.checkpoints.sharded else None  # fmt: skip
         self.setup_data()
         # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
@@ -172,6 +173,7 @@ class RawTrainer(Checkpointing):
         self.comm_hook = instantiate(hook) if hook and topology.world_size > 1 else None
         s = self.strategy
         timeout = instantiate(s["timeout"]) if s.get("timeout") else None
+        self.timeout = timeout  # strategy.timeout (None: unset)
         if self.world > 1:
             backend = s.get("process_group_backend") or ("nccl" if self.on_gpu else "gloo")
             device_id = self.device if self.on_gpu else None
