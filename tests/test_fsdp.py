@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from subprocess import Popen
@@ -38,6 +39,7 @@ from tests.helpers import (
     launcher,
     max_loss_diff,
     one_error_line,
+    read_scalars,
     recorded_data,
     recorded_reads,
     run_script,
@@ -244,6 +246,36 @@ def test_a_hang_under_fsdp_names_its_all_gather(base_args, log_dir) -> None:
     # rank 0 waits in the next forward's weight gather (the default group's Flight Recorder)
     assert re.search(r"rank 1 never issued collective #\d+ \(all_gather \[", out), out[-3000:]
     assert "nothing was saved" not in out, out[-3000:]  # its `last` is sharded: a resume is said
+
+
+@pytest.mark.distributed
+def test_a_desync_and_a_slow_rank_under_fsdp_are_named(base_args, log_dir) -> None:
+    """The hang report and the straggler line under strategy=fsdp (Lightning under torchrun, 2
+    processes): rank 1's extra all-reduce at step 15 is named as a desync against rank 0's
+    all_gather of the next forward; rank 1's steps 30 ms slower from step 10 are named within
+    50 steps, and its time reaches TensorBoard; the same run without the fault names no one."""
+    args = ["strategy=fsdp", *base_args, *FSDP, "test=false", "callbacks.early_stopping=null",
+            "fault_injection.rank=1"]  # fmt: skip
+    desync = [*args, "trainer.max_epochs=4", "fault_injection.at_step=15",
+              "strategy.step_timeout_s=5", "fault_injection.mode=desync"]  # fmt: skip
+    code, out = finish(start(launcher(["-m", "project.train", *desync]), RUN_ID="d"), 240)
+    assert code == EXIT_HUNG, out[-3000:]
+    assert "=> collective #" in out and "does not match across ranks (a desync)" in out, out[-3000:]
+    assert re.search(r"rank 0: all_gather \[\d+\] .*; rank 1: all_reduce \[1\] in fault", out)
+    assert re.search(r"rank 1 issued a collective the others did not", out), out[-3000:]
+    slow = [*args, "trainer.max_epochs=7", "fault_injection.at_step=10",
+            "fault_injection.mode=slow", "fault_injection.slow_ms=30"]  # fmt: skip
+    code, out = finish(start(launcher(["-m", "project.train", *slow]), RUN_ID="s"), 240)
+    assert code == 0, out[-3000:]
+    found = re.search(r"straggler: rank 1 works .* up to step (\d+)", out)
+    assert found and int(found[1]) <= 10 + 50, out[-3000:]
+    scalars = read_scalars(log_dir / "train/runs/s/tensorboard")
+    after = {r: statistics.median(v for step, v in scalars[f"ranks/busy_ms/rank{r}"] if step > 10)
+             for r in (0, 1)}  # fmt: skip
+    assert after[1] > 25 + after[0], after  # the 30 ms, in rank 1's own time
+    balanced = [*args, "trainer.max_epochs=7"]  # FSDP's waits are not taken for slowness
+    code, out = finish(start(launcher(["-m", "project.train", *balanced]), RUN_ID="b"), 240)
+    assert code == 0 and "straggler:" not in out, out[-3000:]
 
 
 # --- the raw trainer's sharded `last` (full tier) ---------------------------------------------

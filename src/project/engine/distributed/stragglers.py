@@ -5,7 +5,9 @@ others makes every rank's step 200 ms longer, the others spending it waiting ins
 all-reduce. So what is compared is each rank's time outside the gradient sync: a window
 (one optimizer step, its micro-batches) from its start to the next window's start, less the
 backward that synced the gradients (its compute and its wait) and less the stop check. The
-slow rank's is long and its sync short; the others' the other way round.
+slow rank's is long and its sync short; the others' the other way round. Under FSDP every
+forward and backward holds collectives (the weights' all-gathers), so there the sync is every
+micro-batch's forward and backward.
 
 The numbers travel in the stop check's all-reduce (project.engine.distributed.signals), which
 the ranks run every few steps anyway: no collective is added. Every rank gets every rank's
@@ -81,9 +83,11 @@ class Stragglers:
         """After the stop check."""
         self._start, self._sync = time.perf_counter(), 0.0
 
-    def synced(self, seconds: float) -> None:
-        """The backward that all-reduced the gradients took `seconds` (compute + wait)."""
-        self._sync = seconds
+    def synced(self, seconds: float, add: bool = False) -> None:
+        """The backward that all-reduced the gradients took `seconds` (compute + wait);
+        `add`: one more span of collectives in this window (FSDP gathers the weights in every
+        forward and backward, so a slow peer is waited for in any of them)."""
+        self._sync = self._sync + seconds if add else seconds
 
     def pause(self) -> None:
         """Validation, a checkpoint save, an epoch's end: the current window is not a step."""

@@ -22,6 +22,7 @@ from project.engine.data import sharding
 from project.engine.distributed import comm_hooks, faults, hangs
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.ddp import CollectiveTimeout
+from project.engine.distributed.fsdp import options as fsdp_options
 from project.engine.distributed.ledger import Ledger
 from project.engine.lightning.datamodule import batches_done, fit_epoch
 from project.engine.private_api import kill_launched_ranks, skip_sigterm_broadcast
@@ -65,7 +66,8 @@ class RunState(pl.Callback):
         self.run, self.ledger = run, run.ledger
         self.stop = checkpoints.stop_signal()
         self.watch: watch.Watch | None = None
-        self._backward_at = 0.0
+        self._backward_at = 0.0  # where the span of collectives the stragglers time began
+        self._fsdp = fsdp_options.chosen(run.cfg.get("strategy")) and run.topology.world_size > 1
         self._resuming = False  # fit continues from a checkpoint: restore at train start
         self._rng: dict[str, Any] | None = None  # its generators' states (not all of it)
         self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
@@ -121,6 +123,7 @@ class RunState(pl.Callback):
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             self.ledger.mark(ledgers.STEP, trainer.global_step)  # the batch came
+            self._backward_at = time.perf_counter()
             return  # inside an accumulation window: partial gradients are not checkpointed
         stragglers = self.stop.stragglers
         if stragglers is not None:
@@ -136,6 +139,7 @@ class RunState(pl.Callback):
         self.ledger.mark(ledgers.STEP, trainer.global_step)
         if stragglers is not None:
             stragglers.window_start()
+        self._backward_at = time.perf_counter()  # FSDP's collectives begin with the forward
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         # Lightning fetches the next batch after this hook (and validation, which marks its
@@ -143,11 +147,14 @@ class RunState(pl.Callback):
         self.ledger.mark(ledgers.DATA, trainer.global_step)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
-        self._backward_at = time.perf_counter()
+        if not self._fsdp:  # under FSDP the span began with the forward (on_train_batch_start)
+            self._backward_at = time.perf_counter()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if self.stop.stragglers is not None:  # the last backward of a window is the syncing one
-            self.stop.stragglers.synced(time.perf_counter() - self._backward_at)
+        # DDP: the last backward of a window is the syncing one; FSDP: every forward and
+        # backward gathers the weights (project.engine.distributed.stragglers).
+        if self.stop.stragglers is not None:
+            self.stop.stragglers.synced(time.perf_counter() - self._backward_at, self._fsdp)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         self.ledger.mark(ledgers.OPTIMIZER, trainer.global_step)

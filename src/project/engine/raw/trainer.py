@@ -317,14 +317,16 @@ class RawTrainer(Checkpointing):
     def backward(self, batch: Any, accumulate: int, sync: bool) -> torch.Tensor:
         """Forward + backward of one batch; gradients are all-reduced only when `sync`.
         Returns the batch's mean loss (detached)."""
+        forward_at = time.perf_counter()  # FSDP's collectives begin with the forward
         with contextlib.nullcontext() if sync else self.no_sync():
             with self.autocast():
                 loss = self.model(batch, self.metrics["train"])
             # parity: Lightning divides by the accumulation count before backward.
-            began = time.perf_counter()
+            began = forward_at if self.fsdp else time.perf_counter()
             self.scaler.scale(loss / accumulate).backward()
-            if sync and self.stop.stragglers is not None:
-                self.stop.stragglers.synced(time.perf_counter() - began)
+            # DDP: the syncing backward; FSDP: every forward and backward gathers the weights
+            if (sync or self.fsdp) and self.stop.stragglers is not None:
+                self.stop.stragglers.synced(time.perf_counter() - began, self.fsdp)
         loss = loss.detach()
         self.metrics["train"]["loss"].update(loss, self.task.weight(batch))
         return loss
