@@ -126,7 +126,6 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
 @pytest.mark.parametrize(
     ("overrides", "resume", "needle"),
     [
-        ([], None, "callbacks.model_checkpoint is not supported"),
         (["callbacks.model_checkpoint=null"], Path("last.ckpt"),
          "last.ckpt is a one-file checkpoint"),
         (["callbacks.model_checkpoint=null",
@@ -135,14 +134,14 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
     ],
 )  # fmt: skip
 def test_checkpoints_on_several_processes_are_refused(compose_train, overrides, resume, needle):
-    """Only the fault-tolerance `last` is sharded: best-k, a run folder's one-file `last` to
-    resume and a URL folder are one line each; a one-file ckpt_path is taken (a new run)."""
+    """A run folder's one-file `last` to resume and a URL folder are one line each; best-k
+    and a one-file ckpt_path (a new run) are taken."""
     cfg = compose_train(["strategy=fsdp", *overrides])
     fsdp_options.check(cfg, 2)  # the rest is fine
     with pytest.raises(UserError, match=re.escape(needle)):
         fsdp_options.check_checkpoints(cfg, resume)
-    # the fault-tolerance `last` alone is fine, and a one-file checkpoint given as ckpt_path
-    fine = ["strategy=fsdp", "callbacks.model_checkpoint=null"]
+    # the shipped checkpoints are fine, and a one-file checkpoint given as ckpt_path
+    fine = ["strategy=fsdp"]
     fsdp_options.check_checkpoints(compose_train(fine), None)
     fsdp_options.check_checkpoints(compose_train([*fine, "ckpt_path=x.ckpt"]), Path("x.ckpt"))
 
@@ -159,15 +158,6 @@ def test_the_shipped_config_with_bf16_and_offload_gives_fully_shards_options(com
 
 
 # --- full tier: real runs ---------------------------------------------------------------------
-def test_a_checkpoint_callback_with_fsdp_stops_before_any_process_starts(base_args) -> None:
-    """Lightning's own launcher would start rank 1: the refusal comes first, in one line."""
-    out = run_script("train.py", [*base_args, "strategy=fsdp", "trainer.devices=2",
-                                  "trainer.accelerator=cpu"], timeout=120)  # fmt: skip
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "callbacks.model_checkpoint is not supported" in one_error_line(out.stderr)
-    assert "rank 1" not in out.stderr + out.stdout
-
-
 def test_one_process_trains_unsharded_with_its_checkpoints(base_args, tmp_path) -> None:
     """Nothing is sharded on one process (as strategy=ddp has no wrapper there): the usual
     checkpoints are written."""
@@ -332,6 +322,36 @@ def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, m
     assert sharded_entries(manifest)["common"]["project"]["finished"]
     code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "This run already finished" in out, out[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "module",
+    [
+        "project.train",
+        "project.raw_train",  # feature:raw
+    ],
+)
+def test_the_best_checkpoint_under_fsdp_is_one_file_as_under_ddp(base_args, log_dir, module):
+    """The shipped config (best-k on, test at the end) under strategy=fsdp on 2 processes:
+    the best checkpoint is one file, the whole state gathered, bitwise the one strategy=ddp
+    writes (digits trains bitwise alike), and the test on it reports the same metrics."""
+    args = [*base_args, "trainer.max_epochs=2", "trainer.limit_train_batches=6",
+            "callbacks.early_stopping=null", *QUIET]  # fmt: skip
+    jobs = [job([*args, f"strategy={s}"], s, module=module) for s in ("ddp", "fsdp")]
+    for code, out in [finish(j, 300) for j in jobs]:
+        assert code == 0, out[-3000:]
+    runs = log_dir / "train" / "runs"
+    pattern = "best.pt" if "raw" in module else "epoch_*.ckpt"
+    (ddp,), (fsdp,) = (sorted((runs / r / "checkpoints").glob(pattern)) for r in ("ddp", "fsdp"))
+    assert ddp.name == fsdp.name
+    key = "model" if "raw" in module else "state_dict"
+    a, b = (torch.load(f, weights_only=True) for f in (ddp, fsdp))
+    assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key])
+    assert len(a["optimizer" if "raw" in module else "optimizer_states"]) > 0
+    metrics = [json.loads((runs / r / "metrics.json").read_text()) for r in ("ddp", "fsdp")]
+    tested = {k: v for k, v in metrics[0].items() if k.startswith("test/")}
+    assert tested and tested == {k: v for k, v in metrics[1].items() if k.startswith("test/")}
 
 
 @pytest.mark.distributed

@@ -54,6 +54,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     model: pl.LightningModule = instantiate(cfg.model)
     loggers = build.instantiate_all(cfg.get("logger"))
     callbacks = build.callbacks(run, loggers)
+    best_k = any(isinstance(cb, pl.callbacks.ModelCheckpoint) for cb in callbacks)
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         strategy=strategy,
@@ -62,8 +63,8 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         plugins=[AtomicCheckpointIO(run.ledger)],
         profiler=build.profiler(cfg),
         # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
-        # whose checkpoints are sharded (strategy=fsdp on several processes)
-        **({"enable_checkpointing": False} if c.sharded else {}),
+        # whose `last` is sharded (strategy=fsdp on several processes)
+        **({"enable_checkpointing": False} if c.sharded and not best_k else {}),
     )
     for lg in loggers:
         lg.log_hyperparams(to_plain(cfg))

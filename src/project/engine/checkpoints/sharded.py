@@ -185,6 +185,30 @@ def holds_shards(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def gathered_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank (a collective): a sharded model's whole state and its optimizer's, in
+    torch's own layouts (the optimizer's numbered by parameter order, as `load_whole` reads
+    it), in rank 0's CPU memory; the other ranks get empty dicts."""
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim = get_state_dict(model, [optimizer], options=whole)
+    if not model_state:
+        return {}, {}
+    names = parameter_order(model, optimizer)
+    index = {name: i for i, name in enumerate(names)}
+    numbered = {"state": {index[n]: v for n, v in optim["state"].items()},
+                "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                 for g in optim["param_groups"]]}  # fmt: skip
+    return model_state, numbered
+
+
+def parameter_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of `optimizer`'s parameters in its order (what torch's layout numbers)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
 def load_whole(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
 ) -> None:
@@ -195,8 +219,7 @@ def load_whole(
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=whole)
         return
-    names = {id(p): name for name, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    order = parameter_order(model, optimizer)
     saved = state["optimizer"]
     optim = {"state": {order[i]: v for i, v in saved["state"].items()},
              "param_groups": [{**g, "params": [order[i] for i in g["params"]]}

@@ -132,7 +132,11 @@ class FSDPStrategy(ShardedLastWriter, ModelParallelStrategy):
         step_timeout_s: float | None = None, start_method: str = "popen",
     ) -> None:  # fmt: skip
         timeout = timeout or datetime.timedelta(seconds=1800)  # torch's default
+        # Any save but the sharded `last` (ModelCheckpoint's best-k) is one file: the whole
+        # state gathered (a collective), written by rank 0, as under DDP: eval.py, a test's
+        # `best` and any trainer read it.
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=False,
                          process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
         self.blocks = blocks or None
         self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload

@@ -80,20 +80,26 @@ class Checkpointing:
         )
         if improved:
             self.best = value
-        if self.is_zero and ckpt_cfg and improved:
-            atomic_save(self.state_dict(), self.checkpoints.best)
+        if ckpt_cfg and improved:  # every rank: under FSDP the state is gathered (collective)
+            state = self.state_dict()
+            if self.is_zero:
+                atomic_save(state, self.checkpoints.best)
 
     def state_dict(self, with_model: bool = True) -> dict[str, Any]:
         """What last.pt holds; `with_model` false: all but model and optimizer (a sharded
         save writes those itself), as plain values (weights_only loading takes no config
-        objects)."""
+        objects). Under FSDP every rank calls it (the whole state is gathered) and rank 0
+        holds the result (the others: empty model and optimizer entries)."""
         accumulate = int(self.cfg.trainer.get("accumulate_grad_batches") or 1)
         entries = self.checkpoints.entries(self.loaders["train"], self.epoch, self.batch_in_epoch,
                                            self.world, accumulate)  # fmt: skip
         if not with_model:
             return to_plain_tree(entries | self.loop_state())
-        model = {"model": self.task.state_dict(), "optimizer": self.optimizer.state_dict()}
-        return entries | self.loop_state() | model
+        if sharded.holds_shards(self.task):  # one file all the same: the whole state
+            model, optimizer = sharded.gathered_state(self.task, self.optimizer)
+        else:
+            model, optimizer = self.task.state_dict(), self.optimizer.state_dict()
+        return entries | self.loop_state() | {"model": model, "optimizer": optimizer}
 
     def loop_state(self) -> dict[str, Any]:
         return {

@@ -3,9 +3,10 @@
 `check` refuses, in one line each naming the option and the fix, what FSDP cannot do here:
 DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, another start
 method than popen, a `blocks` class the network lacks or parameters outside it, and (on
-several processes) the checkpoints not written sharded yet: the fault-tolerance `last` of
-both trainers is (project.engine.checkpoints.sharded); the best-k checkpoints of
-`callbacks.model_checkpoint` are not. An explicit `ckpt_path` may be sharded or one file (a
+several processes) what the sharded `last` cannot be yet: in an object store, or continued
+from a run folder's one-file `last`. The fault-tolerance `last` of both trainers is sharded
+(project.engine.checkpoints.sharded); the best-k checkpoints of `callbacks.model_checkpoint`
+are one file, the whole state gathered; an explicit `ckpt_path` may be sharded or one file (a
 DDP run's: each rank keeps its shards of it).
 """
 
@@ -26,7 +27,6 @@ DDP_ONLY = ("comm_hook", "find_unused_parameters", "static_graph", "gradient_as_
 KEYS = ("_target_", "blocks", "reshard_after_forward", "cpu_offload", "async_save",
         "process_group_backend", "timeout", "step_timeout_s", "start_method")  # fmt: skip
 PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16}
-NO_CHECKPOINTS = "only the fault-tolerance `last` is sharded yet"
 # Exactly the template's: Lightning's own FSDPStrategy (FSDP1) is another thing with that name.
 TARGET = "project.engine.lightning.strategy.FSDPStrategy"
 
@@ -135,15 +135,9 @@ def check_network(cfg: DictConfig) -> None:
 
 
 def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
-    """On several processes, what is not written sharded yet is refused (one line): the
-    fault-tolerance `last` is (project.engine.checkpoints.sharded), nothing else; a run
-    folder's one-file `last` is not continued (an explicit `ckpt_path` may be one file)."""
+    """On several processes, one line each: a URL folder for the sharded `last`, and a run
+    folder's one-file `last` to continue (an explicit `ckpt_path` may be one file)."""
     callbacks = cfg.get("callbacks") or {}
-    if callbacks.get("model_checkpoint") is not None:
-        raise UserError(
-            f"callbacks.model_checkpoint is not supported with strategy=fsdp on several "
-            f"processes ({NO_CHECKPOINTS}): set callbacks.model_checkpoint=null"
-        )
     dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
     if dirpath is not None and "://" in str(dirpath):  # a URL (checkpoints.remote.is_url)
         raise UserError(
