@@ -74,9 +74,12 @@ def run_args(data_dir: Path, log_dir: Path, epochs: int) -> list[str]:
             *QUIET]  # fmt: skip
 
 
-def signal_after_first_checkpoint(job_id: str, log_dir: Path, *scancel: str) -> None:
-    last = log_dir / "train/runs" / f"torchrun-slurm-{job_id}" / "checkpoints/last.ckpt"
-    wait_for(last.exists, 180, f"the first checkpoint of job {job_id}")
+def signal_after_first_checkpoint(
+    job_id: str, log_dir: Path, *scancel: str, last: str = "last.ckpt"
+) -> None:
+    """`last`: the file that appears with the first checkpoint (a sharded one's manifest)."""
+    path = log_dir / "train/runs" / f"torchrun-slurm-{job_id}" / "checkpoints" / last
+    wait_for(path.exists, 180, f"the first checkpoint of job {job_id}")
     subprocess.run(["scancel", *scancel, job_id], check=True, timeout=30)
 
 
@@ -95,6 +98,26 @@ def test_two_nodes_from_another_folder_requeued_on_a_batch_signal(slurm, data_di
     assert "1 process(es) per node x 2 node(s)" in output
     run = log_dir / "train/runs" / f"torchrun-slurm-{job_id}"
     assert (run / "metrics.json").is_file()
+
+
+def test_two_nodes_under_fsdp_are_requeued_and_resume_the_sharded_last(
+    slurm, data_dir, tmp_path
+) -> None:
+    """strategy=fsdp through the recipe: two nodes shard the model, a signal after the first
+    sharded `last` stops and requeues the job, which resumes from that save and completes."""
+    log_dir = tmp_path / "logs"
+    args = [*run_args(data_dir, log_dir, 20), "strategy=fsdp"]
+    job_id = submit(tmp_path, args, "--nodes=2")
+    signal_after_first_checkpoint(job_id, log_dir, "--batch", "--signal=USR1",
+                                  last="last-ckpt.json")  # fmt: skip
+    state = finished(job_id)
+    output = (tmp_path / f"{JOB_NAME}-{job_id}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", output[-3000:]
+    assert int(state["Restarts"]) >= 1, output[-3000:]
+    assert re.search(r"resuming from \S+/last-ckpt-step\d+", output), output[-3000:]
+    run = log_dir / "train/runs" / f"torchrun-slurm-{job_id}"
+    assert "sharded over 2 ranks" in (run / "train.log").read_text()
+    assert (run / "metrics.json").is_file() and not list(run.rglob("last.ckpt"))
 
 
 def test_two_jobs_side_by_side_and_a_signal_to_every_task(slurm, data_dir, tmp_path) -> None:
