@@ -77,6 +77,24 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+# The straggler drill: rank 1's steps 30 ms slower from step 10 (fault_injection.mode=slow).
+SLOW_RANK_1 = ["fault_injection.at_step=10", "fault_injection.rank=1",
+               "fault_injection.mode=slow", "fault_injection.slow_ms=30"]  # fmt: skip
+
+
+def assert_rank_1_named_slow(out: str, run_dir: Path) -> None:
+    """A SLOW_RANK_1 run: the straggler line names rank 1 within 50 steps, and rank 1's own
+    time (30 ms more a step) reached TensorBoard."""
+    import statistics
+
+    found = re.search(r"straggler: rank 1 works .* up to step (\d+)", out)
+    assert found and int(found[1]) <= 10 + 50, out[-3000:]
+    scalars = read_scalars(run_dir / "tensorboard")
+    after = {r: statistics.median(v for s, v in scalars[f"ranks/busy_ms/rank{r}"] if s > 10)
+             for r in (0, 1)}  # fmt: skip
+    assert after[1] > 25 + after[0], after  # the 30 ms, in rank 1's own time
+
+
 def free_port() -> int:
     import socket
 
@@ -538,3 +556,21 @@ def assert_same_tensors(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0)
         assert all(torch.equal(a[k], b[k]) for k in a), f"differ by up to {worst}"
     assert worst <= atol, worst
     return worst
+
+
+def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts and lists with bitwise equal tensors and equal plain values."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {a.keys() ^ set(b)}"
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -20,7 +19,17 @@ from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG
 from project.engine.distributed.stragglers import Stragglers
 from project.engine.launch.torchrun import TRAINERS
 from project.engine.run import goodput
-from tests.helpers import ROOT, finish, kill_job, launcher, read_scalars, recorded_data, start
+from tests.helpers import (
+    ROOT,
+    SLOW_RANK_1,
+    assert_rank_1_named_slow,
+    finish,
+    kill_job,
+    launcher,
+    read_scalars,
+    recorded_data,
+    start,
+)
 
 ARGS = ["trainer.max_epochs=4", "test=false", "callbacks.early_stopping=null",
         "trainer.accelerator=cpu"]  # fmt: skip
@@ -110,16 +119,9 @@ def test_a_slow_rank_is_named_and_a_balanced_run_names_none(base_args, log_dir) 
     steps and every rank's times reach TensorBoard; the same run without the fault names no
     one. (torchrun, the raw trainer; both trainers share the detection.)"""
     args = [*base_args, *ARGS, "trainer.max_epochs=7"]
-    slow = [*args, "fault_injection.at_step=10", "fault_injection.rank=1",
-            "fault_injection.mode=slow", "fault_injection.slow_ms=30"]  # fmt: skip
-    code, out, _ = run_job("torchrun-raw", slow, "slow")
+    code, out, _ = run_job("torchrun-raw", [*args, *SLOW_RANK_1], "slow")
     assert code == 0, out[-3000:]
-    found = re.search(r"straggler: rank 1 works .* up to step (\d+)", out)
-    assert found and int(found[1]) <= 10 + 50, out[-3000:]
-    scalars = read_scalars(log_dir / "train/runs/slow/tensorboard")
-    after = {r: statistics.median(v for s, v in scalars[f"ranks/busy_ms/rank{r}"] if s > 10)
-             for r in (0, 1)}  # fmt: skip
-    assert after[1] > 25 + after[0], after  # the 30 ms, in rank 1's own time
+    assert_rank_1_named_slow(out, log_dir / "train/runs/slow")
     code, out, _ = run_job("torchrun-raw", args, "balanced")
     assert code == 0, out[-3000:]
     assert "straggler:" not in out

@@ -37,7 +37,7 @@ def consolidate(ckpt: str, out: Path, optimizer: bool, prefix: str | None) -> di
         raise UserError(f"{out} exists: give a new file name (nothing was overwritten)")
     if not out.parent.is_dir():
         raise UserError(f"{out.parent} is not a folder: create it first")
-    result = consolidated(ckpt, "CKPT", prefix or PREFIX, optimizer)
+    result = consolidated(ckpt, "CKPT", PREFIX if prefix is None else prefix, optimizer)
     done = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         torch.save(result, done)

@@ -45,8 +45,13 @@ class Stragglers:
         patience: int,
         warn_every_n_steps: int,
         log_metrics: Callable[[dict[str, float], int], None] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.rank, self.world = rank, world
+        # what the line calls the sync: DDP's gradient all-reduce, or FSDP's whole step
+        self.sync_name = "forward and backward" if sharded else "gradient sync"
+        self.waits_in = "every forward and backward (FSDP's collectives)" if sharded else \
+            "every gradient all-reduce"  # fmt: skip
         self.share, self.min_ms, self.patience = share, min_ms, patience
         self.warn_every = warn_every_n_steps
         self.log_metrics = log_metrics
@@ -62,13 +67,15 @@ class Stragglers:
     def of(
         cls, cfg: Mapping[str, Any] | None, rank: int, world: int,
         log_metrics: Callable[[dict[str, float], int], None] | None = None,
+        sharded: bool = False,
     ) -> Stragglers | None:  # fmt: skip
-        """From the `stragglers` config block (None: off, or one process)."""
+        """From the `stragglers` config block (None: off, or one process); `sharded`:
+        strategy=fsdp (every forward and backward holds collectives)."""
         if not cfg or world < 2:
             return None
         return cls(rank, world, share=float(cfg["share"]), min_ms=float(cfg["min_ms"]),
                    patience=int(cfg["patience"]), warn_every_n_steps=int(cfg["warn_every_n_steps"]),
-                   log_metrics=log_metrics)  # fmt: skip
+                   log_metrics=log_metrics, sharded=sharded)  # fmt: skip
 
     # --- on the per-step path ---
     def window_end(self) -> None:
@@ -134,10 +141,10 @@ class Stragglers:
         more = f" (and rank {rest})" if rest else ""
         return (
             f"straggler: rank {worst}{more} works {busy[worst]:.1f} ms per step outside the "
-            f"gradient sync against {median:.1f} ms for the other ranks (median) "
+            f"{self.sync_name} against {median:.1f} ms for the other ranks (median) "
             f"(+{100 * (busy[worst] / median - 1):.0f}%) for {self.streaks[worst]} checks in a "
             f"row, up to step {step}; the other ranks wait for it about {others:.1f} ms in "
-            "every gradient all-reduce. Look at that rank's host: data loading, a throttled "
+            f"{self.waits_in}. Look at that rank's host: data loading, a throttled "
             "or shared device (docs/troubleshooting.md#a-straggler-line)"
         )
 

@@ -14,7 +14,7 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
@@ -41,10 +41,21 @@ def strategy(run: Run) -> Any:
     quiet_lightning()  # after Lightning's import: each of its lines once, rank 0 only
     built = ddp.build_strategy(run.cfg.get("strategy"), run.topology)
     if built == "auto" and run.checkpoints.sharded:
-        accelerator = str(run.cfg.trainer.get("accelerator") or "auto")
-        gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-        return OneProcessShardedLast(torch.device("cuda", 0) if gpu else torch.device("cpu"))
+        return OneProcessShardedLast(one_device(run.cfg.trainer))
     return built
+
+
+def one_device(trainer: DictConfig) -> torch.device:
+    """The device Lightning picks for one process: `trainer.accelerator` ("auto": a CUDA GPU,
+    else Apple's, else the CPU) and the GPU `trainer.devices` names as `[N]` (else the first)."""
+    accelerator = str(trainer.get("accelerator") or "auto")
+    devices = trainer.get("devices")
+    index = int(devices[0]) if OmegaConf.is_list(devices) and len(devices) == 1 else 0
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", index)
+    if accelerator in ("auto", "gpu", "mps") and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 def callbacks(run: Run, loggers: list[Any]) -> list[Any]:

@@ -4,6 +4,7 @@ position), atomic checkpoint writes, per-step statistics and fault injection."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import signal
@@ -174,7 +175,8 @@ class RunState(pl.Callback):
         self.outside_steps(ledgers.CHECKPOINT, trainer)  # the others wait while rank 0 writes
         began, path, hook = time.monotonic(), self.checkpoints.last, comm_hook(trainer)
         self.checkpoints.save_hook(hook, trainer.global_step)  # every rank its own file
-        trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
+        with getattr(trainer.strategy, "writing_last", contextlib.nullcontext)():
+            trainer.save_checkpoint(path, weights_only=False)  # full state: a resume point
         sharded = getattr(trainer.strategy, "sharded_last", None)  # strategy=fsdp's
         if say and sharded is not None:  # a stop or the end: published before the run says so
             sharded.wait()

@@ -79,6 +79,26 @@ class ShardedLastWriter:
     sharded_at: tuple[Path, str, Path] | None = None  # folder, name, one-file path
     sharded_last: ShardedLast | None = None
     async_save = False  # the sharded `last` written in the background
+    _writing_last = False  # RunState's save of the sharded `last` is under way
+
+    @contextlib.contextmanager
+    def writing_last(self) -> Iterator[None]:
+        """Around RunState's save of `last`: Lightning's own collection of the model's and
+        optimizer's state is skipped when it is sharded (ShardedLast takes the shards
+        itself; FSDPStrategy's collection would gather the whole state on rank 0)."""
+        self._writing_last = self.sharded_last is not None
+        try:
+            yield
+        finally:
+            self._writing_last = False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The start of every save, on every rank (as DDPStrategy's): outside the step deadline.
+        long_work.outside_steps(ledgers.CHECKPOINT)
+        return {} if self._writing_last else super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {} if self._writing_last else super().optimizer_state(optimizer)
 
     def open_sharded_last(self) -> None:
         if self.sharded_at is not None and self.sharded_last is None:
@@ -158,14 +178,15 @@ class FSDPStrategy(ShardedLastWriter, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         """A sharded save (a folder with DCP's index): model and optimizer loaded here (on
         the same world size: Lightning's own resume of this strategy), the rest returned."""
-        if not sharded.is_sharded(str(checkpoint_path)):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        # AtomicCheckpointIO books a load to goodput's reload (this strategy loads itself)
+        booked = getattr(self.checkpoint_io, "booked", lambda read: read())
+        if not sharded.is_sharded(str(checkpoint_path)):  # one file (a DDP run's)
+            return booked(functools.partial(super().load_checkpoint, checkpoint_path, weights_only))
         group = self.sharded_last.group if self.sharded_last is not None else None
-        load = functools.partial(sharded.load, str(checkpoint_path), self.lightning_module.task,
-                                 self.optimizers[0] if self.optimizers else None, "ckpt_path",
-                                 group)  # fmt: skip
-        booked = getattr(self.checkpoint_io, "booked", None)  # AtomicCheckpointIO: goodput
-        loaded = booked(load) if booked is not None else load()
+        loaded = booked(functools.partial(
+            sharded.load, str(checkpoint_path), self.lightning_module.task,
+            self.optimizers[0] if self.optimizers else None, "ckpt_path", group,
+        ))  # fmt: skip
         checkpoint = dict(loaded.common)
         if loaded.own and loaded.mine is not None:  # each rank continues its own streams
             checkpoint["rng"] = loaded.mine["rng"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from project.engine.distributed import hangs
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.exits import EXIT_HUNG
+from project.engine.distributed.fsdp import options as fsdp_options
 from project.engine.distributed.hangs import Watchdog
 from project.engine.distributed.stragglers import Stragglers
 from project.engine.run import goodput, long_work
@@ -46,7 +47,8 @@ def start(
     stop.ledger = ledger
     timeouts.start()
     long_work.watch(ledger, timeouts, stop)  # a weights-only save, a recompile, a download
-    stop.stragglers = Stragglers.of(run.cfg.get("stragglers"), rank, world, log_metrics)
+    sharded = fsdp_options.chosen(run.cfg.get("strategy"))  # its collectives: every step
+    stop.stragglers = Stragglers.of(run.cfg.get("stragglers"), rank, world, log_metrics, sharded)
     watchdog = None
     if world > 1:
 
