@@ -14,6 +14,7 @@ import torch
 from tests.helpers import (
     ROOT,
     assert_same_tensors,
+    assert_same_tree,
     finish,
     fsdp_mlp,
     logged_metrics,
@@ -72,6 +73,34 @@ def test_consolidate_refuses_bad_input_in_one_line(
 
 
 # --- torchrun jobs (the full tier) ---------------------------------------------------------------
+@pytest.mark.quick
+def test_one_process_without_a_group_saves_and_loads_quietly(tmp_path: Path) -> None:
+    """A run continued on one process (no process group) keeps its `last` sharded: an async
+    save asked for is written at once (DCP's async save needs a group), nothing is warned,
+    and the save loads back bitwise, with what it holds beside the weights."""
+    import warnings
+
+    from project.engine.checkpoints.sharded import ShardedLast, load
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(net.parameters())
+    net(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        last = ShardedLast(tmp_path, "last", "test")
+        last.save(1, net, optimizer, {"epoch": 3}, {"rng": None}, asynchronous=True)
+        assert last.pending is None and last.manifest()["step"] == 1
+        last.close()
+        copy = torch.nn.Linear(4, 4)
+        copy_optimizer = torch.optim.AdamW(copy.parameters())
+        loaded = load(str(tmp_path / "last"), copy, copy_optimizer)
+    assert loaded.common == {"epoch": 3} and loaded.own and loaded.world == 1
+    assert_same_tensors(net.state_dict(), copy.state_dict())
+    assert_same_tree(optimizer.state_dict(), copy_optimizer.state_dict())
+
+
 @pytest.mark.quick
 def test_a_consolidated_optimizer_starts_its_schedule_afresh() -> None:
     from project.engine.checkpoints.whole import numbered

@@ -25,10 +25,13 @@ with training's on the default group.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import time
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,6 +74,15 @@ class Loaded:
     own: bool  # the same world size now: `mine` is this rank's
     folder: str  # the save's folder (path or URL)
     trainer: str  # which trainer wrote it
+
+
+@contextlib.contextmanager
+def one_process_quiet() -> Iterator[None]:
+    """DCP without a process group (one process) warns at every call that it assumes one
+    process: meant so here, so not said."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def world() -> tuple[int, int]:
@@ -168,7 +180,8 @@ def load(
     optimizers = [optimizer] if optimizer is not None else []
     model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state} | ({"optim": optim_state} if optimizer is not None else {})
-    dcp.load(state, checkpoint_id=folder, process_group=group)
+    with one_process_quiet():
+        dcp.load(state, checkpoint_id=folder, process_group=group)
     if optimizer is not None:
         set_state_dict(model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])  # fmt: skip
@@ -306,7 +319,8 @@ class ShardedLast:
     ) -> float:
         """Every rank: save `step` (model, optimizer, `common` once, this rank's `per_rank`)
         and publish it once every rank's part is complete; asynchronously, publish at the
-        next `wait` (or `save`). Returns the seconds the caller was blocked."""
+        next `wait` (or `save`; one process without a process group saves synchronously).
+        Returns the seconds the caller was blocked."""
         start = time.perf_counter()
         self.wait()  # one save in flight at a time: the previous one is published first
         self._began = time.perf_counter()
@@ -328,7 +342,7 @@ class ShardedLast:
             self.write_own(folder, per_rank, step)
         except Exception as err:
             ok, why = False, short(err)
-        if asynchronous:
+        if asynchronous and self.group is not None:  # DCP's async save needs a CPU group
             # The caller waits for DCP's staging (a copy of the state in memory) only; the
             # write runs in DCP's thread, its collectives on our group.
             future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
@@ -338,7 +352,8 @@ class ShardedLast:
             self.pending = (future, step, name, ok, why)
         else:
             try:
-                dcp.save(state, checkpoint_id=folder, process_group=self.group)
+                with one_process_quiet():
+                    dcp.save(state, checkpoint_id=folder, process_group=self.group)
             except Exception as err:
                 ok, why = False, why or short(err)
             self.publish(step, name, ok, why)

@@ -7,14 +7,20 @@ entry its index lists; a local folder only (DCP's single-process reader reads no
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from project.engine.checkpoints.remote import is_url, join
-from project.engine.checkpoints.sharded import COMMON, own_file, read_entries, resolve, world
+from project.engine.checkpoints.sharded import (
+    COMMON,
+    one_process_quiet,
+    own_file,
+    read_entries,
+    resolve,
+    world,
+)
 from project.engine.errors import UserError
 
 CARRIED = (
@@ -120,8 +126,7 @@ def gathered(folder: str, only: str | None = None) -> dict[str, Any]:
             if isinstance(meta, TensorStorageMetadata) else None
             for key, meta in index.state_dict_metadata.items()
             if only is None or paths[key][0] == only}  # fmt: skip
-    with warnings.catch_warnings():  # DCP's note that it loads in one process: meant so
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    with one_process_quiet():
         dcp.load(flat, storage_reader=reader, no_dist=True)
     nested: dict[Any, Any] = {}
     for key, value in flat.items():
