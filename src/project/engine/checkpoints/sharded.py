@@ -198,24 +198,6 @@ def holds_shards(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def gathered_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every rank (a collective): a sharded model's whole state and its optimizer's, in
-    torch's own layouts (the optimizer's numbered by parameter order, as `load_whole` reads
-    it), in rank 0's CPU memory; the other ranks get empty dicts."""
-    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state, optim = get_state_dict(model, [optimizer], options=whole)
-    if not model_state:
-        return {}, {}
-    names = parameter_order(model, optimizer)
-    index = {name: i for i, name in enumerate(names)}
-    numbered = {"state": {index[n]: v for n, v in optim["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                 for g in optim["param_groups"]]}  # fmt: skip
-    return model_state, numbered
-
-
 def parameter_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The names of `optimizer`'s parameters in its order (what torch's layout numbers)."""
     names = {id(p): name for name, p in model.named_parameters()}
@@ -226,8 +208,8 @@ def load_whole(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
 ) -> None:
     """Every rank: a one-file checkpoint's whole `model` state (and `optimizer` state, in
-    torch's layout numbered by parameter order) into a sharded model, each rank keeping its
-    shards: a DDP run's checkpoint continued under strategy=fsdp."""
+    torch's layout numbered by parameter order: whole.numbered's inverse) into a sharded
+    model, each rank keeping its shards: a DDP run's checkpoint continued under strategy=fsdp."""
     whole = StateDictOptions(full_state_dict=True)
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=whole)

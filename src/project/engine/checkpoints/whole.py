@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from project.engine.checkpoints.remote import is_url, join
 from project.engine.checkpoints.sharded import (
@@ -46,6 +47,17 @@ def numbered(optim: dict[str, Any], afresh: bool = True) -> dict[str, Any]:
         groups.append({**group, "params": ids, **lr})
     state = {index[name]: value for name, value in optim["state"].items()}
     return {"state": state, "param_groups": groups}
+
+
+def gathered_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank (a collective): a sharded model's whole state and its optimizer's (in
+    torch's own layout, `numbered`, its learning rates as they are), in rank 0's CPU memory;
+    the other ranks get empty dicts."""
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim = get_state_dict(model, [optimizer], options=whole)
+    return (model_state, numbered(optim, afresh=False)) if model_state else ({}, {})
 
 
 def prefixed(weights: dict[str, Any], prefix: str) -> dict[str, Any]:

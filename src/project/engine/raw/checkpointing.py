@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from project.engine.checkpoints import sharded
+from project.engine.checkpoints import sharded, whole
 from project.engine.checkpoints.state import atomic_save
 from project.engine.config.compose import to_plain, to_plain_tree
 from project.engine.data import elastic
@@ -96,7 +96,7 @@ class Checkpointing:
         if not with_model:
             return to_plain_tree(entries | self.loop_state())
         if sharded.holds_shards(self.task):  # one file all the same: the whole state
-            model, optimizer = sharded.gathered_state(self.task, self.optimizer)
+            model, optimizer = whole.gathered_state(self.task, self.optimizer)
         else:
             model, optimizer = self.task.state_dict(), self.optimizer.state_dict()
         return entries | self.loop_state() | {"model": model, "optimizer": optimizer}
