@@ -48,6 +48,7 @@ class Stragglers:
         sharded: bool = False,
     ) -> None:
         self.rank, self.world = rank, world
+        self.sharded = sharded  # FSDP: the sync is every micro-batch's forward and backward
         # what the line calls the sync: DDP's gradient all-reduce, or FSDP's whole step
         self.sync_name = "forward and backward" if sharded else "gradient sync"
         self.waits_in = "every forward and backward (FSDP's collectives)" if sharded else \
@@ -90,11 +91,11 @@ class Stragglers:
         """After the stop check."""
         self._start, self._sync = time.perf_counter(), 0.0
 
-    def synced(self, seconds: float, add: bool = False) -> None:
-        """The backward that all-reduced the gradients took `seconds` (compute + wait);
-        `add`: one more span of collectives in this window (FSDP gathers the weights in every
-        forward and backward, so a slow peer is waited for in any of them)."""
-        self._sync = self._sync + seconds if add else seconds
+    def synced(self, seconds: float) -> None:
+        """The backward that all-reduced the gradients took `seconds` (compute + wait); when
+        `sharded`, one more forward and backward of this window (FSDP gathers the weights in
+        each, so a slow peer is waited for in any of them)."""
+        self._sync = self._sync + seconds if self.sharded else seconds
 
     def pause(self) -> None:
         """Validation, a checkpoint save, an epoch's end: the current window is not a step."""

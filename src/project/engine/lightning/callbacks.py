@@ -23,7 +23,6 @@ from project.engine.data import sharding
 from project.engine.distributed import comm_hooks, faults, hangs
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.ddp import CollectiveTimeout
-from project.engine.distributed.fsdp import options as fsdp_options
 from project.engine.distributed.ledger import Ledger
 from project.engine.lightning.datamodule import batches_done, fit_epoch
 from project.engine.private_api import kill_launched_ranks, skip_sigterm_broadcast
@@ -68,7 +67,6 @@ class RunState(pl.Callback):
         self.stop = checkpoints.stop_signal()
         self.watch: watch.Watch | None = None
         self._backward_at = 0.0  # where the span of collectives the stragglers time began
-        self._fsdp = fsdp_options.chosen(run.cfg.get("strategy")) and run.topology.world_size > 1
         self._resuming = False  # fit continues from a checkpoint: restore at train start
         self._rng: dict[str, Any] | None = None  # its generators' states (not all of it)
         self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
@@ -148,14 +146,15 @@ class RunState(pl.Callback):
         self.ledger.mark(ledgers.DATA, trainer.global_step)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
-        if not self._fsdp:  # under FSDP the span began with the forward (on_train_batch_start)
+        stragglers = self.stop.stragglers  # sharded: the span began with the forward
+        if stragglers is not None and not stragglers.sharded:
             self._backward_at = time.perf_counter()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
         # DDP: the last backward of a window is the syncing one; FSDP: every forward and
         # backward gathers the weights (project.engine.distributed.stragglers).
         if self.stop.stragglers is not None:
-            self.stop.stragglers.synced(time.perf_counter() - self._backward_at, self._fsdp)
+            self.stop.stragglers.synced(time.perf_counter() - self._backward_at)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         self.ledger.mark(ledgers.OPTIMIZER, trainer.global_step)

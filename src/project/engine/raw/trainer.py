@@ -326,7 +326,7 @@ class RawTrainer(Checkpointing):
             self.scaler.scale(loss / accumulate).backward()
             # DDP: the syncing backward; FSDP: every forward and backward gathers the weights
             if (sync or self.fsdp) and self.stop.stragglers is not None:
-                self.stop.stragglers.synced(time.perf_counter() - began, self.fsdp)
+                self.stop.stragglers.synced(time.perf_counter() - began)
         loss = loss.detach()
         self.metrics["train"]["loss"].update(loss, self.task.weight(batch))
         return loss
