@@ -180,13 +180,38 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
     assert collections.Counter(epoch0) == collections.Counter(range(ROWS))
 
 
-def test_when_the_store_host_dies_the_survivor_says_so_in_one_line(elastic_node, log_dir):
+def workers(node: Node) -> list[int]:
+    """The node's training processes (not its agent or the launch script)."""
+    found = []
+    for pid in process_tree(node.proc.pid):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"project.train" in command and b"project.launcher" not in command:
+                found.append(pid)
+    return found
+
+
+@pytest.mark.parametrize("survivor", ["training", "paused"])
+def test_when_the_store_host_dies_the_survivor_says_so_in_one_line(
+    elastic_node, log_dir, survivor
+) -> None:
     """The node hosting the c10d store dies: the survivor cannot meet again (docs/elastic.md).
     It said so with two 30-frame C++ stacks and a start-up checklist ("a node was not
-    started ..."); now one line names the store and its host, exit 1, nothing left."""
+    started ..."); now one line names the store and its host, exit 1, nothing left.
+    "paused": the survivor's worker is still running (SIGSTOP) when the host dies, so its
+    agent finds the store gone while asking it for new nodes, before any restart (that line
+    was once the start-up checklist's)."""
     host, other = elastic_node(), elastic_node()
     saved_mid_epoch(log_dir, other)
+    paused = workers(other) if survivor == "paused" else []
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
     host.kill()
+    if paused:
+        wait_for([other], "closing signal SIGTERM", timeout=60)  # the agent stops its workers
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     assert other.finish(timeout=200) == 1, other.out()[-4000:]
     out = other.out()
     errors = [line for line in out.splitlines() if line.startswith("error: ")]

@@ -49,6 +49,7 @@ from project.engine.distributed.exits import (
 )
 from project.engine.launch.env import COMMAND_ENV
 from project.engine.private_api import (
+    after_rendezvous,
     announce_restarts,
     exit_barrier_on_live_peers,
     restart_only_crashes,
@@ -102,7 +103,9 @@ def _signalled(signum: int, folder: str) -> int:
 
 def _rendezvous_line(err: BaseException, args: Any, ran: bool) -> str:
     where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-    if ran:  # the nodes had met: what is gone is the store, with the node that hosted it
+    # The nodes had met and the store stopped answering (not: a node did not come back in
+    # time): what is gone is the store, with the node that hosted it.
+    if ran and "Timeout" not in type(err).__name__:
         return (
             f"error: the rendezvous store at {where} is gone ({type(err).__name__}): the node "
             f"that hosted it (the agent at {where}) left, and the others cannot meet again "
@@ -150,11 +153,9 @@ def launch(argv: list[str]) -> int:
     state: dict[str, Any] = {"signal": None, "done": False, "ran": False}
     restart_only_crashes(LocalElasticAgent, NO_RESTART)
 
-    def restarting(line: str) -> None:
-        state["ran"] = True  # the nodes had met once: a rendezvous failing now lost its store
-        print(line, file=sys.stderr, flush=True)
-
-    announce_restarts(LocalElasticAgent, restarting)
+    # The nodes had met once: a store failing from then on is gone with the node hosting it.
+    after_rendezvous(LocalElasticAgent, lambda: state.update(ran=True))
+    announce_restarts(LocalElasticAgent, lambda line: print(line, file=sys.stderr, flush=True))
     exit_barrier_on_live_peers(LocalElasticAgent)
     signals_once(mp_api, state)
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())

@@ -58,6 +58,8 @@ USED = (
         "_ChildProcessObserver._terminate_all",
     ),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._restart_workers"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier_timeout"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._store"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._worker_group"),
@@ -197,6 +199,21 @@ def announce_restarts(agent_cls: Any, say: Callable[[str], None]) -> None:
         return restart(self, worker_group)
 
     agent_cls._restart_workers = _restart_workers
+
+
+def after_rendezvous(agent_cls: Any, met: Callable[[], None]) -> None:
+    """Call `met` each time torchrun's agent has completed a rendezvous (the nodes met). A
+    store that fails after that is gone with its node; one that fails before was never
+    reached. The agent's monitor asks the store for waiting nodes while the workers are
+    healthy, so a dead store can surface before any restart is announced."""
+    rendezvous = agent_cls._rendezvous
+
+    def _rendezvous(self: Any, worker_group: Any) -> Any:
+        result = rendezvous(self, worker_group)
+        met()
+        return result
+
+    agent_cls._rendezvous = _rendezvous
 
 
 def signals_once(mp_api: Any, state: dict[str, Any]) -> None:

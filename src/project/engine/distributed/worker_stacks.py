@@ -47,25 +47,39 @@ def waits_for_loader(frames: list[Any]) -> bool:
     return any(LOADER in getattr(f, "filename", "") for f in frames)
 
 
-def collect(seconds: float = 2.0) -> dict[int, str]:
-    """{pid: its stacks} of this process's descendants that registered (workers)."""
+def collect(seconds: float = 3.0, settle_s: float = 0.5) -> dict[int, str]:
+    """{pid: its stacks} of this process's descendants that registered (workers).
+
+    faulthandler writes a dump in many small writes, the worker's other threads (its queue
+    feeder, the resource sharer) before the one in the dataset: a dump read mid-write lacks
+    the dataset's frame. A dump counts once it is unchanged since the last read and names
+    project or user code, or has not changed for `settle_s`; at `seconds`, what was read."""
     if SIGNAL is None:
         return {}
     dumps = {pid: fd for pid in _descendants(os.getpid()) if (fd := _memfd(pid)) is not None}
-    for pid in list(dumps):
+    before: dict[int, int] = {}  # where this dump begins (an earlier request's is before it)
+    for pid, fd in list(dumps.items()):
         try:
+            before[pid] = os.stat(fd).st_size
             os.kill(pid, SIGNAL)
         except OSError:
             del dumps[pid]
+    read: dict[int, tuple[str, float]] = {}  # pid: (its dump so far, when that was first read)
     texts: dict[int, str] = {}
     end = time.monotonic() + seconds
     while len(texts) < len(dumps) and time.monotonic() < end:
+        time.sleep(0.05)
         for pid, fd in dumps.items():
             with contextlib.suppress(OSError):
-                if pid not in texts and "File" in (text := Path(fd).read_text()):
+                text = Path(fd).read_bytes()[before[pid] :].decode(errors="replace")
+                now = time.monotonic()
+                if pid in texts or "File" not in text:
+                    continue
+                if text != read.get(pid, ("", now))[0]:
+                    read[pid] = (text, now)
+                elif innermost(text) or now - read[pid][1] >= settle_s:
                     texts[pid] = text
-        time.sleep(0.05)
-    return texts
+    return {pid: text for pid, (text, _) in read.items()} | texts
 
 
 def innermost(text: str) -> str | None:
