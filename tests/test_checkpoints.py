@@ -268,6 +268,31 @@ def test_bad_checkpoint_is_not_restarted_by_torchrun(base_args, log_dir) -> None
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"not a checkpoint"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("trainer", ["lightning", "raw"])  # feature:raw
+def test_ranks_that_would_continue_from_different_checkpoints_stop_in_one_line(
+    base_args, finished_runs, tmp_path, trainer
+) -> None:
+    """Each rank picks its checkpoint before any process group: on node-local disks (or a
+    folder changed meanwhile) rank 0 continued from its `last` while the others started from
+    scratch, and the run ended in a failed collective. Here each rank is given its own copy
+    (ckpt_path interpolated per rank): one line naming both, exit 2, before any loading."""
+    module, last = TRAINERS[trainer]
+    for rank in (0, 1):
+        shutil.copy(finished_runs(trainer) / "checkpoints" / last, tmp_path / f"{rank}-{last}")
+    per_rank = f"ckpt_path={tmp_path}/${{oc.env:RANK}}-{last}"
+    proc = start([sys.executable, "-m", "project.launcher", "--standalone",
+                  "--nproc-per-node=2", "-m", module, *base_args, *FINISHED, per_rank,
+                  "trainer.accelerator=cpu"])  # fmt: skip
+    code, out = finish(proc, 120)
+    assert code == 2, out[-3000:]
+    line = one_error_line(out)
+    assert "the ranks would continue from different checkpoints" in line, line
+    assert "rank 0 on " in line and f"/0-{last}, rank 1 on " in line and f"/1-{last}:" in line
+    assert "Restoring states" not in out  # (Lightning's line when it loads one)
+
+
 def test_callbacks_changed_names_each_setting_and_only_those() -> None:
     from project.engine.checkpoints.resume import callbacks_changed
 

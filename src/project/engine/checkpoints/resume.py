@@ -220,6 +220,32 @@ def find_resume(
                   state.get("callbacks"))  # fmt: skip
 
 
+def check_same_on_every_rank(resume: Resume) -> None:
+    """Each rank chose what it continues from by itself, before any process group
+    (find_resume): a run folder that not every node sees (a node-local disk), or one changed
+    meanwhile, would have the ranks continue from different states, or some from scratch.
+    Refused in one line, on every rank alike; called once the process group is up."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = (socket.gethostname(), None if resume.path is None else str(resume.path))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    other = next((r for r, (_, path) in enumerate(every) if path != every[0][1]), None)
+    if other is None:  # every rank sees the same list: all go on or all stop
+        return
+    said = [f"rank {r} on {every[r][0]} from {every[r][1] or 'scratch (none found)'}"
+            for r in (0, other)]  # fmt: skip
+    raise UserError(
+        f"the ranks would continue from different checkpoints: {said[0]}, {said[1]}: the run "
+        "folder must be one every node sees (shared storage), or its checkpoints in an object "
+        "store (callbacks.fault_tolerance.dirpath=s3://...)"
+    )
+
+
 def sharded_folder(path: Path, what: str) -> Path | None:
     """The save folder a sharded `path` names (project.engine.checkpoints.sharded: the
     folder, its manifest or the `last` it publishes); None: `path` is one file."""

@@ -18,6 +18,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.checkpoints import sharded, whole
+from project.engine.checkpoints.resume import check_same_on_every_rank
 from project.engine.checkpoints.state import atomic_save
 from project.engine.data import sharding
 from project.engine.distributed import comm_hooks, faults, hangs
@@ -70,6 +71,10 @@ class RunState(pl.Callback):
         self._resuming = False  # fit continues from a checkpoint: restore at train start
         self._rng: dict[str, Any] | None = None  # its generators' states (not all of it)
         self.timeouts = CollectiveTimeout(None, None, 1)  # the strategy's, at train start
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # the process group is up; Lightning loads the checkpoint later
+            check_same_on_every_rank(self.run.resume)
 
     # --- state in the checkpoint ---
     def on_save_checkpoint(
