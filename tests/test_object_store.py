@@ -123,6 +123,23 @@ def test_ckpt_path_url_reads_what_the_manifest_publishes(url, tmp_path) -> None:
 
 
 @pytest.mark.quick
+def test_a_sharded_save_as_a_ckpt_path_url_is_one_line(url, tmp_path) -> None:
+    """strategy=fsdp's `last` in a store: its folder, its manifest or the `last` the manifest
+    publishes given as ckpt_path (train.py, eval.py) says to copy it here (it used to say
+    the file does not exist); a one-file `last` published beside it still downloads."""
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{url}/last-ckpt-step4/.metadata", b"index")
+    fs.pipe(f"{url}/last-ckpt.json", json.dumps({"format": "dcp", "step": 4,
+            "folder": "last-ckpt-step4", "world": 2}).encode())  # fmt: skip
+    for name in ("last-ckpt-step4", "last-ckpt-step4/", "last-ckpt.json", "last-ckpt"):
+        with pytest.raises(UserError, match=r"is a sharded save .*copy the save folder here"):
+            fetch_checkpoint(f"{url}/{name}", tmp_path / "b", "ckpt_path")
+    save(RemoteLast(url, "last.ckpt", tmp_path / "a"), 7)
+    path = fetch_checkpoint(f"{url}/last.ckpt", tmp_path / "b", "ckpt_path")
+    assert torch.load(path, weights_only=True)["step"] == 7
+
+
+@pytest.mark.quick
 def test_the_probe_refuses_a_folder_it_cannot_write(tmp_path) -> None:
     (tmp_path / "a-file").write_text("")
     with pytest.raises(UserError, match="is not writable"):
