@@ -47,6 +47,7 @@ from tests.helpers import (
     run_trainer,
     sharded_entries,
     sharded_manifest,
+    sharded_state,
     start,
     torchrun,
 )
@@ -124,27 +125,18 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(compose_train, overrides, ne
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(
-    ("overrides", "resume", "needle"),
-    [
-        (["callbacks.model_checkpoint=null"], Path("last.ckpt"),
-         "last.ckpt is a one-file checkpoint"),
-        (["callbacks.model_checkpoint=null",
-          "callbacks.fault_tolerance.dirpath=s3://bucket/run"], None,
-         "writes its sharded `last` to a local (or shared) folder only"),
-    ],
-)  # fmt: skip
-def test_checkpoints_on_several_processes_are_refused(compose_train, overrides, resume, needle):
-    """A run folder's one-file `last` to resume and a URL folder are one line each; best-k
-    and a one-file ckpt_path (a new run) are taken."""
-    cfg = compose_train(["strategy=fsdp", *overrides])
+def test_a_one_file_last_on_several_processes_is_refused(compose_train) -> None:
+    """A run folder's one-file `last` to resume is one line; best-k, a one-file ckpt_path (a
+    new run), a URL folder and a sharded `last` at a URL are taken."""
+    cfg = compose_train(["strategy=fsdp", "callbacks.model_checkpoint=null"])
     fsdp_options.check(cfg, 2)  # the rest is fine
-    with pytest.raises(UserError, match=re.escape(needle)):
-        fsdp_options.check_checkpoints(cfg, resume)
-    # the shipped checkpoints are fine, and a one-file checkpoint given as ckpt_path
+    with pytest.raises(UserError, match=re.escape("last.ckpt is a one-file checkpoint")):
+        fsdp_options.check_checkpoints(cfg, Path("last.ckpt"))
     fine = ["strategy=fsdp"]
     fsdp_options.check_checkpoints(compose_train(fine), None)
     fsdp_options.check_checkpoints(compose_train([*fine, "ckpt_path=x.ckpt"]), Path("x.ckpt"))
+    url = compose_train([*fine, "callbacks.fault_tolerance.dirpath=s3://bucket/run"])
+    fsdp_options.check_checkpoints(url, "s3://bucket/run/last-ckpt-step4")
 
 
 @pytest.mark.quick
@@ -324,6 +316,53 @@ def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, m
     assert sharded_entries(manifest)["common"]["project"]["finished"]
     code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "This run already finished" in out, out[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "module",
+    [
+        "project.train",
+        "project.raw_train",  # feature:raw
+    ],
+)
+def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
+    base_args, log_dir, tmp_path, s3, module
+) -> None:
+    """callbacks.fault_tolerance.dirpath=s3://... under strategy=fsdp (the Kubernetes
+    object-storage recipes): every rank writes its shards to the bucket, the manifest there
+    publishes them; stopped mid-epoch, the same command in an empty run folder (another
+    machine) resumes from the URL and ends bitwise where the run that never stopped does.
+    The bucket keeps the newest save and its manifest only; no run folder holds a `last`."""
+    import fsspec
+
+    args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=2"]
+    url, manifest = f"{s3}/run", sharded_manifest(module)
+    remote = [*args, f"callbacks.fault_tolerance.dirpath={url}"]
+    cut = [*remote, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
+    whole, first = job(args, "whole", module=module), job(cut, "cut", module=module)
+    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
+    assert code == 0, out[-3000:]
+    assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
+    assert f"{url}/{manifest} is saved" in cut_out, cut_out[-3000:]
+    fs = fsspec.filesystem("s3")
+    saved = json.loads(fs.cat_file(f"{url}/{manifest}"))
+    code, out = finish(job(remote, "elsewhere", module=module), 300)
+    assert code == 0, out[-3000:]
+    assert f"{url}/{saved['folder']}" in out and "Resuming epoch" in out, out[-3000:]
+    end = json.loads(fs.cat_file(f"{url}/{manifest}"))
+    assert end["step"] > saved["step"], end
+    assert sorted(p.rpartition("/")[2] for p in fs.ls(url, refresh=True)) == sorted(
+        [end["folder"], manifest])  # fmt: skip
+    runs = log_dir / "train" / "runs"
+    assert [p.parent.parent.name for p in runs.rglob(manifest)] == ["whole"]  # local: its own
+    local = tmp_path / "downloaded"
+    fs.get(f"{url}/{end['folder']}", str(local / end["folder"]), recursive=True)
+    fs.get(f"{url}/{manifest}", str(local / manifest))
+    ours, theirs = sharded_state(local / manifest)["model"], final_weights(runs / "whole")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), f"{key} differs"
 
 
 @pytest.mark.distributed

@@ -45,7 +45,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     strategy = build.strategy(run)
     c = run.checkpoints
     if c.sharded and hasattr(strategy, "sharded_at"):  # FSDPStrategy: `last` sharded
-        strategy.sharded_at = (c.last.parent, c.sharded_name, c.last)
+        strategy.sharded_at = (c.sharded_dir, c.sharded_name, c.last)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = instantiate(cfg.data)
     # Any datamodule's loaders: sharded, resumable, started where a resumed epoch stood.

@@ -51,6 +51,14 @@ def join(url: str, *names: str) -> str:
     return "/".join([url.rstrip("/"), *names])
 
 
+def exists(path: str) -> bool:
+    """Whether the file `path` (a local path or an fsspec URL) exists."""
+    if not is_url(path):
+        return Path(path).is_file()
+    fs, inner = open_url(path, "checkpoint")
+    return bool(fs.isfile(inner))
+
+
 def open_url(url: str, what: str) -> tuple[Any, str]:
     """(filesystem, path inside it) of `url`, or one line: the fsspec extra to install (a
     missing s3fs), or the scheme fsspec does not know."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url
+from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url, join
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
@@ -170,7 +170,7 @@ def callbacks_changed(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str |
 class Resume:
     """Where a run continues from: `path` (None: from scratch), and what the checkpoint says."""
 
-    path: Path | None = None
+    path: Path | str | None = None  # str: a sharded `last`'s folder by URL
     finished: bool = False  # auto-resume found a run that finished training
     metrics: dict[str, float] = field(default_factory=dict)  # its final fit metrics
     data_position: dict[str, Any] | None = None  # where its epoch stood (engine.data.elastic)
@@ -179,7 +179,7 @@ class Resume:
 
 def find_resume(
     cfg: Mapping[str, Any],
-    last: Path | None,
+    last: Path | str | None,
     kind: str,
     follows: Mapping[str, str] | None = None,
     staging: Path | None = None,
@@ -190,7 +190,8 @@ def find_resume(
     `kind` is the key every checkpoint of the trainer has ("state_dict": Lightning, "model":
     the raw trainer): the other trainer's checkpoint is refused with one line. A ckpt_path
     that is a URL (s3://...) is downloaded into `staging` first; `shown` names `last` in
-    messages (its URL, where it is a local copy of one).
+    messages (its URL, where it is a local copy of one). `last` may be the folder of a
+    sharded `last` by URL (DCP reads it there).
     """
     explicit = cfg.get("ckpt_path")
     if explicit and is_url(explicit):
@@ -198,7 +199,7 @@ def find_resume(
         path, what = fetch_checkpoint(str(explicit), where, "ckpt_path"), "ckpt_path"
     elif explicit:
         path, what = Path(explicit), "ckpt_path"
-    elif cfg.get("auto_resume") and last is not None and last.exists():
+    elif cfg.get("auto_resume") and last is not None and (is_url(last) or Path(last).exists()):
         path, what = last, "the run's last checkpoint"
     else:
         return Resume()
@@ -246,19 +247,22 @@ def check_same_on_every_rank(resume: Resume) -> None:
     )
 
 
-def sharded_folder(path: Path, what: str) -> Path | None:
+def sharded_folder(path: Path | str, what: str) -> Path | str | None:
     """The save folder a sharded `path` names (project.engine.checkpoints.sharded: the
-    folder, its manifest or the `last` it publishes); None: `path` is one file."""
+    folder, its manifest or the `last` it publishes); None: `path` is one file. A URL here
+    is a sharded `last`'s folder (RunCheckpoints resolved it; any other is downloaded)."""
     from project.engine.checkpoints.sharded import names_save, resolve  # torch: when needed
 
+    if is_url(path):
+        return str(path)
     return Path(resolve(str(path), what)) if names_save(str(path)) else None
 
 
-def sharded_entries(folder: Path, kind: str) -> dict[str, Any]:
+def sharded_entries(folder: Path | str, kind: str) -> dict[str, Any]:
     """A sharded save's entries besides model and optimizer (project.engine.checkpoints
     .sharded), with `kind` set when the trainer that wrote it is the one reading it."""
     from project.engine.checkpoints.sharded import COMMON, read_entries  # torch: when needed
 
-    saved = read_entries(str(folder / COMMON))
+    saved = read_entries(join(str(folder), COMMON))
     trainer = {"model": "raw", "state_dict": "lightning"}.get(kind)
     return dict(saved["common"]) | ({kind: None} if saved["trainer"] == trainer else {})

@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from project.engine.checkpoints import LAST_PT, comm_hook_files
 from project.engine.checkpoints.comm_hook_files import OK, UNREADABLE, agreed, one_line
-from project.engine.checkpoints.remote import STAGING, RemoteLast, is_url, probe
+from project.engine.checkpoints.remote import STAGING, RemoteLast, exists, is_url, join, probe
 from project.engine.checkpoints.resume import callbacks_record, checkpoint_dir
 from project.engine.checkpoints.state import project_state, rng_state, set_rng_state
 from project.engine.config.compose import CONFIG_DIR, to_plain
@@ -130,21 +130,29 @@ class RunCheckpoints:
         else:
             self.last = (Path(dirpath) if dirpath else self.folder) / name
         # A sharded `last` (strategy=fsdp on several processes, project.engine.checkpoints
-        # .sharded): the manifest <name>.json beside where the one-file `last` would be,
-        # e.g. last-pt.json publishing the folder last-pt-step40. A run folder that holds one
+        # .sharded): the manifest <name>.json where the one-file `last` would be (in the URL
+        # folder itself: every rank writes its shards there, nothing is staged), e.g.
+        # last-pt.json publishing the folder last-pt-step40. A run folder that holds one
         # keeps writing its `last` sharded, on any world size (a 2 -> 1 resume too).
         self.sharded_name = self.last.name.replace(".", "-")
-        self.sharded_manifest = self.last.parent / f"{self.sharded_name}.json"
-        self.sharded = self.remote is None and self.sharded_manifest.is_file()
+        self.sharded_dir = self.remote.url if self.remote else str(self.last.parent)
+        self.sharded_manifest = join(self.sharded_dir, f"{self.sharded_name}.json")
+        self.sharded = exists(self.sharded_manifest)
         # Decided once, before any process group: ranks must agree on the final save.
-        self.had_last = self.last.exists() or self.sharded if self.remote is None else \
-            bool(self.remote.manifest)  # fmt: skip
-        # What auto_resume continues from: the local `last`, or the published one fetched.
-        self.resume_last = self.last if self.remote is None else self.fetch_published()
-        if self.sharded:  # the folder the manifest publishes (resolve checks it is complete)
+        self.had_last = self.sharded or (
+            self.last.exists() if self.remote is None else bool(self.remote.manifest)
+        )
+        # What auto_resume continues from: the local `last`, the published one fetched, or
+        # the folder a sharded `last` publishes (resolve checks it is complete; by URL, DCP
+        # reads it there).
+        self.resume_last: Path | str | None = self.last
+        if self.sharded:
             from project.engine.checkpoints.sharded import resolve
 
-            self.resume_last = Path(resolve(self.sharded_manifest, "the run's last checkpoint"))
+            folder = resolve(self.sharded_manifest, "the run's last checkpoint")
+            self.resume_last = folder if is_url(folder) else Path(folder)
+        elif self.remote is not None:
+            self.resume_last = self.fetch_published()
         self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
         self.finished = False  # set when training ends: `last` then says so
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
@@ -153,7 +161,7 @@ class RunCheckpoints:
     def where(self) -> str:
         """Where `last` lives, as the log says it: its URL, or its local path."""
         if self.sharded:
-            return str(self.sharded_manifest)
+            return self.sharded_manifest
         return f"{self.remote.url.rstrip('/')}/{self.last.name}" if self.remote else str(self.last)
 
     def fetch_published(self) -> Path | None:
@@ -172,7 +180,7 @@ class RunCheckpoints:
         staged: with a URL folder, each uploads its own files; only when every rank's upload
         completed does rank 0 write the manifest that makes them `last`. A failure stops
         every rank with one line; the previous `last` stays published."""
-        if self.remote is None:
+        if self.remote is None or self.sharded:  # (ShardedLast wrote to the URL itself)
             return
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \

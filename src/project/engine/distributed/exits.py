@@ -70,7 +70,7 @@ class Preempted(Exception):
     """Every rank agreed to stop on a signal and the last checkpoint is saved
     (project.engine.distributed.signals); the run skeleton exits with EXIT_PREEMPTED."""
 
-    def __init__(self, step: int, checkpoint: Path | None) -> None:
+    def __init__(self, step: int, checkpoint: Path | str | None) -> None:
         super().__init__(f"stopped by a signal at step {step}")
         self.step, self.checkpoint = step, checkpoint  # None: nothing saved (fast_dev_run)
 

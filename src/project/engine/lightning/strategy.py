@@ -76,7 +76,7 @@ class ShardedLastWriter:
     (`common`), each rank's RNG states its own, published once every rank's part is
     complete. Mixed in before a Lightning strategy."""
 
-    sharded_at: tuple[Path, str, Path] | None = None  # folder, name, one-file path
+    sharded_at: tuple[str, str, Path] | None = None  # folder (or URL), name, one-file path
     sharded_last: ShardedLast | None = None
     async_save = False  # the sharded `last` written in the background
     _writing_last = False  # RunState's save of the sharded `last` is under way

@@ -64,7 +64,7 @@ class Checkpointing:
             took = max(took, self.sharded_last.write_s)
         self.stop.mark_saved(self.global_step, took)
 
-    def last_path(self) -> Path:
+    def last_path(self) -> Path | str:
         """Where `last` is: last.pt, or the manifest of a sharded one."""
         c = self.checkpoints
         return c.sharded_manifest if c.sharded else c.last

@@ -103,7 +103,7 @@ class RawTrainer(Checkpointing):
         check_config(cfg)
         self.setup_distributed(run.topology)
         # `last` sharded (raw/checkpointing.py): its own gloo group, made on every rank now
-        self.sharded_last = ShardedLast(self.checkpoints.last.parent,
+        self.sharded_last = ShardedLast(self.checkpoints.sharded_dir,
                                         self.checkpoints.sharded_name, "raw",
                                         ddp.outside_steps_timeout(self.timeout)) \
             if self.checkpoints.sharded else None  # fmt: skip

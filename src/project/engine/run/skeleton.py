@@ -206,7 +206,13 @@ def check_strategy(run: Run, trainer: str) -> None:
             f"{run.checkpoints.sharded_manifest} publishes a sharded `last`, which Lightning "
             "continues in its run folder under strategy=fsdp or on one process, not under "
             "DDP: rerun with strategy=fsdp, or start a new run (another RUN_ID) from it: "
-            f"ckpt_path={run.checkpoints.sharded_manifest.with_suffix('')}"
+            f"ckpt_path={run.checkpoints.sharded_manifest.removesuffix('.json')}"
+        )
+    if run.checkpoints.sharded and run.checkpoints.remote is not None and world == 1:
+        raise UserError(
+            f"{run.checkpoints.sharded_manifest} publishes a sharded `last`, which continues "
+            "from a URL on several processes (strategy=fsdp); on one process, copy its folder "
+            "here first (e.g. `aws s3 sync`) and give ckpt_path=<that folder>"
         )
     if not fsdp_options.chosen(strategy):
         ddp.check_options(strategy, run.cfg.trainer, world)

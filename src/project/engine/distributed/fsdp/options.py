@@ -3,11 +3,11 @@
 `check` refuses, in one line each naming the option and the fix, what FSDP cannot do here:
 DDP-only options, float16 mixed precision, `model.compile`, SyncBatchNorm, another start
 method than popen, a `blocks` class the network lacks or parameters outside it, and (on
-several processes) what the sharded `last` cannot be yet: in an object store, or continued
-from a run folder's one-file `last`. The fault-tolerance `last` of both trainers is sharded
-(project.engine.checkpoints.sharded); the best-k checkpoints of `callbacks.model_checkpoint`
-are one file, the whole state gathered; an explicit `ckpt_path` may be sharded or one file (a
-DDP run's: each rank keeps its shards of it).
+several processes) a run folder's one-file `last` to continue. The fault-tolerance `last` of
+both trainers is sharded (project.engine.checkpoints.sharded), in a folder or at a URL
+(`callbacks.fault_tolerance.dirpath=s3://...`: every rank writes its shards there); the
+best-k checkpoints of `callbacks.model_checkpoint` are one file, the whole state gathered; an
+explicit `ckpt_path` may be sharded or one file (a DDP run's: each rank keeps its shards of it).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from project.engine.checkpoints.remote import is_url
 from project.engine.errors import UserError
 
 # DistributedDataParallel's options and the template's DDP hook: FSDP has no all-reduce buckets.
@@ -134,19 +135,13 @@ def check_network(cfg: DictConfig) -> None:
     check_running_statistics(task.net)
 
 
-def check_checkpoints(cfg: DictConfig, resume: Path | None) -> None:
-    """On several processes, one line each: a URL folder for the sharded `last`, and a run
-    folder's one-file `last` to continue (an explicit `ckpt_path` may be one file)."""
-    callbacks = cfg.get("callbacks") or {}
-    dirpath = (callbacks.get("fault_tolerance") or {}).get("dirpath")
-    if dirpath is not None and "://" in str(dirpath):  # a URL (checkpoints.remote.is_url)
+def check_checkpoints(cfg: DictConfig, resume: Path | str | None) -> None:
+    """On several processes: a run folder's one-file `last` to continue is one line (an
+    explicit `ckpt_path` may be one file)."""
+    if resume is not None and not is_url(resume) and not Path(resume).is_dir() and \
+            not cfg.get("ckpt_path"):  # fmt: skip
         raise UserError(
-            f"callbacks.fault_tolerance.dirpath={dirpath}: strategy=fsdp on several processes "
-            "writes its sharded `last` to a local (or shared) folder only yet: give a folder"
-        )
-    if resume is not None and not resume.is_dir() and not cfg.get("ckpt_path"):
-        raise UserError(
-            f"this run folder's {resume.name} is a one-file checkpoint, which strategy=fsdp on "
-            "several processes cannot load (it resumes sharded ones): resume it with the "
+            f"this run folder's {Path(resume).name} is a one-file checkpoint, which strategy=fsdp "
+            "on several processes cannot load (it resumes sharded ones): resume it with the "
             "strategy it was written with, or start a new run (another RUN_ID)"
         )
