@@ -333,7 +333,8 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     object-storage recipes): every rank writes its shards to the bucket, the manifest there
     publishes them; stopped mid-epoch, the same command in an empty run folder (another
     machine) resumes from the URL and ends bitwise where the run that never stopped does.
-    The bucket keeps the newest save and its manifest only; no run folder holds a `last`."""
+    The bucket keeps the newest save and its manifest only; no run folder holds a `last`.
+    On one process it is one line."""
     import fsspec
 
     args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=2"]
@@ -363,6 +364,11 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), f"{key} differs"
+    # One process cannot read the shards from a URL: one line, the bucket as it was.
+    code, out = finish(job(remote, "one", nproc=1, module=module), 120)
+    assert code == 2, out[-3000:]
+    assert "continues from a URL on several processes" in one_error_line(out)
+    assert json.loads(fs.cat_file(f"{url}/{manifest}")) == end
 
 
 @pytest.mark.distributed
