@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from project.engine.checkpoints.remote import RemoteLast, fetch_checkpoint, probe
+from project.engine.checkpoints.resume import find_resume
+from project.engine.checkpoints.sharded import names_save
 from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
 from project.engine.launch.torchrun import TRAINERS
@@ -133,8 +135,9 @@ def test_a_sharded_save_as_a_ckpt_path_url_is_one_line(url, tmp_path) -> None:
             "folder": "last-ckpt-step4", "world": 2}).encode())  # fmt: skip
     for name in ("last-ckpt-step4", "last-ckpt-step4/", "last-ckpt.json", "last-ckpt"):
         with pytest.raises(UserError, match=r"is a sharded save .*copy the save folder here"):
-            fetch_checkpoint(f"{url}/{name}", tmp_path / "b", "ckpt_path")
+            find_resume({"ckpt_path": f"{url}/{name}"}, None, "state_dict", staging=tmp_path)
     save(RemoteLast(url, "last.ckpt", tmp_path / "a"), 7)
+    assert not names_save(f"{url}/last.ckpt")
     path = fetch_checkpoint(f"{url}/last.ckpt", tmp_path / "b", "ckpt_path")
     assert torch.load(path, weights_only=True)["step"] == 7
 

@@ -242,31 +242,12 @@ class RemoteLast:
                     self.fs.rm(old, recursive=True)
 
 
-def names_sharded_save(fs: Any, path: str) -> bool:
-    """Whether `path` in `fs` names a sharded save (project.engine.checkpoints.sharded): its
-    folder (DCP's index inside), its manifest, or the `last` that manifest publishes."""
-    from project.engine.checkpoints.sharded import FORMAT, METADATA  # torch: only here
-
-    if fs.isfile(join(path, METADATA)):
-        return True
-    manifest = path if path.endswith(".json") else f"{path}.json"
-    try:
-        return fs.isfile(manifest) and json.loads(fs.cat_file(manifest)).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def fetch_checkpoint(url: str, staging: Path, what: str) -> Path:
     """A checkpoint given by URL (ckpt_path=s3://...), downloaded into `staging`. A URL
     naming a run's `last` (<folder>/last.ckpt, published by a manifest) reads the upload the
     manifest names."""
     fs, path = open_url(url, what)
     folder, _, name = url.rstrip("/").rpartition("/")
-    if names_sharded_save(fs, path.rstrip("/")):  # a folder of shards: no file to download
-        raise UserError(
-            f"{what}={url} is a sharded save (strategy=fsdp's, a folder of shards): copy the "
-            "save folder here first (e.g. `aws s3 sync`) and give its local path"
-        )
     with locked(staging):
         if not fs.isfile(path) and fs.isfile(f"{path}.json"):
             last = RemoteLast(folder, name, staging)

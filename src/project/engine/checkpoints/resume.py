@@ -195,6 +195,13 @@ def find_resume(
     """
     explicit = cfg.get("ckpt_path")
     if explicit and is_url(explicit):
+        from project.engine.checkpoints.sharded import names_save  # torch: when needed
+
+        if names_save(str(explicit)):  # a folder of shards: nothing to download
+            raise UserError(
+                f"ckpt_path={explicit} is a sharded save (strategy=fsdp's, a folder of shards): "
+                "copy the save folder here first (e.g. `aws s3 sync`) and give its local path"
+            )
         where = (staging or Path(STAGING)) / "ckpt_path"
         path, what = fetch_checkpoint(str(explicit), where, "ckpt_path"), "ckpt_path"
     elif explicit:

@@ -114,12 +114,21 @@ def is_sharded(folder: str) -> bool:
 
 
 def names_save(path: str) -> bool:
-    """Whether a local `path` names a sharded save rather than a one-file checkpoint: a
-    folder, a manifest (`.json`), or a `last` only a manifest publishes (`resolve` reads it)."""
+    """Whether `path` names a sharded save rather than a one-file checkpoint: a folder, a
+    manifest (`.json`), or a `last` only a manifest publishes (`resolve` reads it). By URL:
+    a folder with DCP's index, or a manifest of this module (one file may be published
+    beside it: project.engine.checkpoints.remote)."""
+    if is_url(path):
+        fs, inner = open_url(path, "ckpt_path")
+        inner = inner.rstrip("/")
+        manifest = inner if inner.endswith(".json") else f"{inner}.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if fs.isfile(join(inner, METADATA)):
+                return True
+            return fs.isfile(manifest) and json.loads(fs.cat_file(manifest)).get("format") == FORMAT
+        return False
     p = Path(path)
-    return not is_url(path) and (
-        p.is_dir() or p.suffix == ".json" or (not p.exists() and Path(f"{path}.json").is_file())
-    )
+    return p.is_dir() or p.suffix == ".json" or (not p.exists() and Path(f"{path}.json").is_file())
 
 
 def resolve(path: str | Path, what: str) -> str:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from project.engine.checkpoints.remote import is_url
 from project.engine.errors import UserError
 
 # DistributedDataParallel's options and the template's DDP hook: FSDP has no all-reduce buckets.
@@ -138,8 +137,8 @@ def check_network(cfg: DictConfig) -> None:
 def check_checkpoints(cfg: DictConfig, resume: Path | str | None) -> None:
     """On several processes: a run folder's one-file `last` to continue is one line (an
     explicit `ckpt_path` may be one file)."""
-    if resume is not None and not is_url(resume) and not Path(resume).is_dir() and \
-            not cfg.get("ckpt_path"):  # fmt: skip
+    url = "://" in str(resume)  # a sharded `last`'s folder by URL (checkpoints.remote.is_url)
+    if resume is not None and not url and not Path(resume).is_dir() and not cfg.get("ckpt_path"):
         raise UserError(
             f"this run folder's {Path(resume).name} is a one-file checkpoint, which strategy=fsdp "
             "on several processes cannot load (it resumes sharded ones): resume it with the "
