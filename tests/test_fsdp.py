@@ -357,6 +357,7 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
         [end["folder"], manifest])  # fmt: skip
     runs = log_dir / "train" / "runs"
     assert [p.parent.parent.name for p in runs.rglob(manifest)] == ["whole"]  # local: its own
+    assert not [p for p in runs.rglob("*") if "staging" in str(p) and p.is_file()]  # none
     local = tmp_path / "downloaded"
     fs.get(f"{url}/{end['folder']}", str(local / end["folder"]), recursive=True)
     fs.get(f"{url}/{manifest}", str(local / manifest))

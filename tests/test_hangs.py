@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from project.engine.distributed import hangs
+from project.engine.distributed import hangs, worker_stacks
 from project.engine.distributed import ledger as ledgers
 from project.engine.distributed.exits import EXIT_FAILED, EXIT_HUNG
 from project.engine.distributed.stragglers import Stragglers
@@ -430,6 +430,25 @@ def test_ranks_in_no_collective_are_busy_in_their_code_not_a_stalled_transport(t
     assert "no rank is in a collective: the ranks are busy in their own code" in text, text
     assert "rank 1 waits for its data loader" in text and "waiting for data" in text
     assert "the transport stalled" not in text and "does not match" not in text
+
+
+@pytest.mark.quick
+def test_the_dataset_frame_is_taken_from_the_workers_loop_thread() -> None:
+    """faulthandler dumps a worker's other threads first; one may run project code too (a
+    prefetch thread): the frame named is the one under the DataLoader worker's loop."""
+    loop = "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py"
+    dump = (
+        "Thread 0x01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 327 in wait\n'
+        f'  File "{ROOT}/src/project/data/remote/prefetch.py", line 40 in run\n\n'
+        "Current thread 0x02 (most recent call first):\n"
+        f'  File "{ROOT}/tests/user_data.py", line 81 in __getitem__\n'
+        f'  File "{loop}", line 349 in _worker_loop\n'
+    )
+    assert worker_stacks.innermost(dump) == "tests/user_data.py:81 __getitem__"
+    head = dump[: dump.index("Current thread")]  # read before the loop's thread was written
+    assert "user_data.py" not in (worker_stacks.innermost(head) or "")  # the wrong thread
+    assert worker_stacks.WORKER_LOOP not in head  # so collect() waits for the rest
 
 
 # Run in a process of its own: a fork server already started by this pytest process (another

@@ -42,14 +42,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     """Build the trainer, continue from the run's checkpoint, fit, test."""
-    from project.engine.checkpoints.resume import check_same_on_every_rank
     from project.engine.raw.trainer import RawTrainer
 
     cfg, resume = run.cfg, run.resume
     trainer = RawTrainer(run)
     metrics: dict[str, float] = {}
     try:
-        check_same_on_every_rank(resume)
         if resume.path:
             trainer.load(resume.path)
         if run.fits:

@@ -52,11 +52,19 @@ def join(url: str, *names: str) -> str:
 
 
 def exists(path: str) -> bool:
-    """Whether the file `path` (a local path or an fsspec URL) exists."""
+    """Whether the file `path` (a local path or an fsspec URL) exists. A store that does not
+    answer is one line, never "no": fsspec's isfile says False on any error, and a run that
+    believed its `last` gone would start afresh and prune it at its first save."""
     if not is_url(path):
         return Path(path).is_file()
     fs, inner = open_url(path, "checkpoint")
-    return bool(fs.isfile(inner))
+    try:
+        return fs.info(inner).get("type") == "file"
+    except FileNotFoundError:
+        return False
+    except Exception as err:
+        raise UserError(f"{path} cannot be read ({short(err)}): check the credentials and the "
+                        "URL") from None  # fmt: skip
 
 
 def open_url(url: str, what: str) -> tuple[Any, str]:

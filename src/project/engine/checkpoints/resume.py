@@ -228,25 +228,32 @@ def find_resume(
                   state.get("callbacks"))  # fmt: skip
 
 
-def check_same_on_every_rank(resume: Resume) -> None:
+def check_same_on_every_rank(resume: Resume, sharded: bool) -> None:
     """Each rank chose what it continues from by itself, before any process group
-    (find_resume): a run folder that not every node sees (a node-local disk), or one changed
-    meanwhile, would have the ranks continue from different states, or some from scratch.
-    Refused in one line, on every rank alike; called once the process group is up."""
+    (find_resume, RunCheckpoints): a run folder that not every node sees (a node-local disk),
+    or one changed meanwhile, would have the ranks continue from different states, some from
+    scratch, or make the sharded `last`'s group on some ranks only. Compared once the process
+    group is up, before anything else is made or loaded: the checkpoint, its position in the
+    epoch (two copies at one path may differ), whether `last` is sharded. Refused in one line,
+    on every rank alike."""
+    import json
     import socket
 
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = (socket.gethostname(), None if resume.path is None else str(resume.path))
+    path = None if resume.path is None else str(resume.path)
+    position = json.dumps(resume.data_position, sort_keys=True, default=str)
+    mine = (socket.gethostname(), path, position, resume.finished, sharded)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    other = next((r for r, (_, path) in enumerate(every) if path != every[0][1]), None)
+    other = next((r for r, pick in enumerate(every) if pick[1:] != every[0][1:]), None)
     if other is None:  # every rank sees the same list: all go on or all stop
         return
+    same_path = every[0][1] == every[other][1]  # then the copies' positions tell them apart
     said = [f"rank {r} on {every[r][0]} from {every[r][1] or 'scratch (none found)'}"
-            for r in (0, other)]  # fmt: skip
+            f"{f' (at {every[r][2]})' if same_path else ''}" for r in (0, other)]  # fmt: skip
     raise UserError(
         f"the ranks would continue from different checkpoints: {said[0]}, {said[1]}: the run "
         "folder must be one every node sees (shared storage), or its checkpoints in an object "

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from project.engine.checkpoints.remote import is_url, join, open_url, short
+from project.engine.checkpoints.remote import exists, is_url, join, open_url, short
 from project.engine.checkpoints.state import atomic_save
 from project.engine.errors import UserError
 
@@ -282,9 +282,8 @@ class ShardedLast:
 
     def read_manifest(self) -> dict[str, Any] | None:
         """This process's own reading of the manifest (None: there is none)."""
-        exists = self.fs.isfile(join(self.root, f"{self.name}.json")) if self.fs else \
-            Path(self.manifest_path).is_file()  # fmt: skip
-        return read_manifest(self.manifest_path, "checkpoint") if exists else None
+        found = exists(self.manifest_path)  # a store that does not answer: one line, not "none"
+        return read_manifest(self.manifest_path, "checkpoint") if found else None
 
     def published_step(self) -> int | None:
         """Every rank: the step published now (None: nothing)."""

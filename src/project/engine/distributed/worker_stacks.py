@@ -26,6 +26,8 @@ from project.engine.distributed.ledger import is_user_code, where
 SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None  # used by nothing else
 NAME = "project-worker-stacks"
 LOADER = f"torch{os.sep}utils{os.sep}data{os.sep}dataloader.py"  # a rank waiting for a batch
+# A DataLoader worker's main loop: the thread that runs the dataset (others may run user code).
+WORKER_LOOP = f"torch{os.sep}utils{os.sep}data{os.sep}_utils{os.sep}worker.py"
 
 _dump: IO[str] | None = None  # this process's memfd, kept open while it lives
 
@@ -51,9 +53,10 @@ def collect(seconds: float = 3.0, settle_s: float = 0.5) -> dict[int, str]:
     """{pid: its stacks} of this process's descendants that registered (workers).
 
     faulthandler writes a dump in many small writes, the worker's other threads (its queue
-    feeder, the resource sharer) before the one in the dataset: a dump read mid-write lacks
-    the dataset's frame. A dump counts once it is unchanged since the last read and names
-    project or user code, or has not changed for `settle_s`; at `seconds`, what was read."""
+    feeder, the resource sharer, a prefetch thread) before the one in the dataset: a dump
+    read mid-write lacks the dataset's frame. A dump counts once it is unchanged since the
+    last read and holds the worker's main loop, or has not changed for `settle_s` (another
+    process: a fork server); at `seconds`, what was read."""
     if SIGNAL is None:
         return {}
     dumps = {pid: fd for pid in _descendants(os.getpid()) if (fd := _memfd(pid)) is not None}
@@ -77,14 +80,16 @@ def collect(seconds: float = 3.0, settle_s: float = 0.5) -> dict[int, str]:
                     continue
                 if text != read.get(pid, ("", now))[0]:
                     read[pid] = (text, now)
-                elif innermost(text) or now - read[pid][1] >= settle_s:
+                elif WORKER_LOOP in text or now - read[pid][1] >= settle_s:
                     texts[pid] = text
     return {pid: text for pid, (text, _) in read.items()} | texts
 
 
 def innermost(text: str) -> str | None:
-    """The innermost frame of project or user code in a faulthandler dump (any thread)."""
-    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+    """The innermost frame of project or user code in a faulthandler dump: in the thread
+    running a DataLoader worker's loop (the dataset's), else in any thread."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    for block in sorted(blocks, key=lambda b: WORKER_LOOP not in b):  # stable: loop first
         found = re.findall(r'\s*File "(.+)", line (\d+) in (.+)', block)
         frames = [{"filename": f, "line": n, "name": name} for f, n, name in reversed(found)]
         if any(is_user_code(f["filename"]) for f in frames):

@@ -74,7 +74,7 @@ class RunState(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # the process group is up; Lightning loads the checkpoint later
-            check_same_on_every_rank(self.run.resume)
+            check_same_on_every_rank(self.run.resume, self.checkpoints.sharded)
 
     # --- state in the checkpoint ---
     def on_save_checkpoint(

@@ -25,9 +25,12 @@ from typing import Any
 import torch
 
 from project.engine.checkpoints import sharded, whole
+from project.engine.checkpoints.resume import check_same_on_every_rank
+from project.engine.checkpoints.sharded import ShardedLast
 from project.engine.checkpoints.state import atomic_save
 from project.engine.config.compose import to_plain, to_plain_tree
 from project.engine.data import elastic
+from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,16 @@ log = logging.getLogger(__name__)
 class Checkpointing:
     """Mixed into RawTrainer (project.engine.raw.trainer), whose attributes it reads (not
     imported here for a type: the trainer imports this module)."""
+
+    def open_last(self) -> None:
+        """Every rank, once the process group is up, before any group or load of its own:
+        the ranks picked the same checkpoint to continue from; a sharded `last` gets its
+        own gloo group (ShardedLast), made on every rank now."""
+        c = self.checkpoints
+        check_same_on_every_rank(self.run.resume, c.sharded)
+        timeout = ddp.outside_steps_timeout(self.timeout)
+        self.sharded_last = ShardedLast(c.sharded_dir, c.sharded_name, "raw", timeout) \
+            if c.sharded else None  # fmt: skip
 
     def save_last(self, say: bool = False) -> None:
         """Write last.pt (rank 0, atomically); every rank waits until it is on disk. `say`: a

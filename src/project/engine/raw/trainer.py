@@ -44,7 +44,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 from project.data.source import SPLITS
-from project.engine.checkpoints.sharded import ShardedLast
 from project.engine.config.compose import to_plain
 from project.engine.data import elastic, sharding
 from project.engine.data.loaders import build_source, plain_loader
@@ -102,11 +101,7 @@ class RawTrainer(Checkpointing):
         self.ledger = run.ledger  # what this rank is doing (the hang report, goodput)
         check_config(cfg)
         self.setup_distributed(run.topology)
-        # `last` sharded (raw/checkpointing.py): its own gloo group, made on every rank now
-        self.sharded_last = ShardedLast(self.checkpoints.sharded_dir,
-                                        self.checkpoints.sharded_name, "raw",
-                                        ddp.outside_steps_timeout(self.timeout)) \
-            if self.checkpoints.sharded else None  # fmt: skip
+        self.open_last()  # (raw/checkpointing.py)
         self.setup_data()
         # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
         # the task, so both trainers draw the same initial weights.
