@@ -22,6 +22,7 @@ from tests.helpers import (
     ROOT,
     finish,
     free_port,
+    job_processes,
     process_tree,
     recorded_data,
     recorded_reads,
@@ -182,13 +183,8 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
 
 def workers(node: Node) -> list[int]:
     """The node's training processes (not its agent or the launch script)."""
-    found = []
-    for pid in process_tree(node.proc.pid):
-        with contextlib.suppress(OSError):
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"project.train" in command and b"project.launcher" not in command:
-                found.append(pid)
-    return found
+    return [pid for pid, command in job_processes(node.proc).items()
+            if "project.train" in command and "project.launcher" not in command]  # fmt: skip
 
 
 @pytest.mark.parametrize("survivor", ["training", "paused"])

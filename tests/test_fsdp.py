@@ -34,6 +34,7 @@ from tests.helpers import (
     QUIET,
     SLOW_RANK_1,
     assert_rank_1_named_slow,
+    assert_same_tensors,
     assert_same_tree,
     assert_same_weights,
     final_weights,
@@ -361,10 +362,7 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     local = tmp_path / "downloaded"
     fs.get(f"{url}/{end['folder']}", str(local / end["folder"]), recursive=True)
     fs.get(f"{url}/{manifest}", str(local / manifest))
-    ours, theirs = sharded_state(local / manifest)["model"], final_weights(runs / "whole")
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), f"{key} differs"
+    assert_same_tensors(sharded_state(local / manifest)["model"], final_weights(runs / "whole"))
     # One process cannot read the shards from a URL: one line, the bucket as it was.
     code, out = finish(job(remote, "one", nproc=1, module=module), 120)
     assert code == 2, out[-3000:]

@@ -68,21 +68,21 @@ def collect(seconds: float = 3.0, settle_s: float = 0.5) -> dict[int, str]:
         except OSError:
             del dumps[pid]
     read: dict[int, tuple[str, float]] = {}  # pid: (its dump so far, when that was first read)
-    texts: dict[int, str] = {}
+    complete: set[int] = set()
     end = time.monotonic() + seconds
-    while len(texts) < len(dumps) and time.monotonic() < end:
+    while len(complete) < len(dumps) and time.monotonic() < end:
         time.sleep(0.05)
         for pid, fd in dumps.items():
             with contextlib.suppress(OSError):
                 text = Path(fd).read_bytes()[before[pid] :].decode(errors="replace")
                 now = time.monotonic()
-                if pid in texts or "File" not in text:
+                if pid in complete or "File" not in text:
                     continue
                 if text != read.get(pid, ("", now))[0]:
                     read[pid] = (text, now)
                 elif WORKER_LOOP in text or now - read[pid][1] >= settle_s:
-                    texts[pid] = text
-    return {pid: text for pid, (text, _) in read.items()} | texts
+                    complete.add(pid)
+    return {pid: text for pid, (text, _) in read.items()}
 
 
 def innermost(text: str) -> str | None:
