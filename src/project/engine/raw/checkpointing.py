@@ -32,8 +32,6 @@ from project.engine.config.compose import to_plain, to_plain_tree
 from project.engine.data import elastic
 from project.engine.distributed import ddp
 from project.engine.distributed import ledger as ledgers
-from project.engine.distributed.exits import close_process_group
-from project.engine.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +45,7 @@ class Checkpointing:
         the ranks picked the same checkpoint to continue from; a sharded `last` gets its
         own gloo group (ShardedLast), made on every rank now."""
         c = self.checkpoints
-        try:
-            check_same_on_every_rank(self.run.resume, c.sharded)
-        except UserError:  # every rank alike, nothing built yet: the group is healthy, and one
-            close_process_group()  # left to interpreter shutdown can abort the process (-6)
-            raise
+        check_same_on_every_rank(self.run.resume, c.sharded)
         timeout = ddp.outside_steps_timeout(self.timeout)
         self.sharded_last = ShardedLast(c.sharded_dir, c.sharded_name, "raw", timeout) \
             if c.sharded else None  # fmt: skip

@@ -12,7 +12,7 @@ Lightning's. What had to match for that is marked "parity:".
 | DDP comm hooks (the template's strategy.comm_hook) | `wrap_model`, raw/checkpointing.py    |
 | seed_everything, deterministic, benchmark          | `__init__` (raw/rng.py)               |
 | LightningDataModule prepare_data/setup, sampler    | `setup_data` (prepare once per node)  |
-| LightningModule.training_step under DDP            | `Step.forward` -> `task.step`         |
+| LightningModule.training_step under DDP            | `Step.forward` -> `task.step` (step.py) |
 | accumulate_grad_batches (no_sync inside a window)  | `train_epoch`, `backward`             |
 | precision (autocast, GradScaler), gradient clipping | `autocast`, `backward`, `optimizer_step` |
 | LR scheduler interval/frequency                    | `optimizer_step`, `end_epoch`         |
@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +60,7 @@ from project.engine.raw.checkpointing import Checkpointing
 from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
 from project.engine.raw.rng import isolated_rng, seed_everything
+from project.engine.raw.step import Step, to_device
 from project.engine.run import console, watch
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
@@ -76,18 +77,6 @@ log = logging.getLogger(__name__)
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-class Step(nn.Module):
-    """DDP all-reduces the gradients of work done inside its module's forward: like Lightning's
-    wrapper around training_step, this makes `task.step` that forward."""
-
-    def __init__(self, task: nn.Module, net: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.task, self.net = task, net
-
-    def forward(self, batch: Any, metrics: nn.ModuleDict) -> torch.Tensor:
-        return checked_step(self.task, batch, metrics, self.net)
-
-
 class RawTrainer(Checkpointing):
     """One training run: set-up in __init__, then fit() and test(). Rank 0 logs and saves.
 
@@ -95,12 +84,22 @@ class RawTrainer(Checkpointing):
     (project.engine.run.skeleton: checks, resume, the stop, metrics.json)."""
 
     def __init__(self, run: Run) -> None:
-        cfg, t = run.cfg, run.cfg.trainer
+        cfg = run.cfg
         self.cfg, self.output_dir, self.run = cfg, run.output_dir, run
         self.checkpoints = run.checkpoints  # paths and what every checkpoint carries
         self.ledger = run.ledger  # what this rank is doing (the hang report, goodput)
         check_config(cfg)
         self.setup_distributed(run.topology)
+        try:
+            self.setup(run)
+        except UserError:  # refused on every rank (or torchrun stops the others): a group
+            self.close_groups()  # left to interpreter shutdown can abort the process (-6)
+            raise
+
+    def setup(self, run: Run) -> None:
+        """Everything after the process group: the checkpoint to continue from, the data,
+        the task and its optimizer, the loop's settings."""
+        cfg, t = run.cfg, run.cfg.trainer
         self.open_last()  # (raw/checkpointing.py)
         self.setup_data()
         # parity: seed python/numpy/torch exactly like lightning's seed_everything, then build
@@ -488,28 +487,21 @@ class RawTrainer(Checkpointing):
         return done
 
     def close(self) -> None:
-        if self.sharded_last is not None:  # its pending save, then its group (before the default)
-            self.sharded_last.close()
-            self.sharded_last = None
         self.source.teardown()  # e.g. a remote stream's shard cache (Lightning: at fit's end)
         if self.writer is not None:
             self.writer.close()
+        self.close_groups()
+
+    def close_groups(self) -> None:
+        """The sharded `last`'s group (its pending save first), then the default group."""
+        if getattr(self, "sharded_last", None) is not None:
+            self.sharded_last.close()
+            self.sharded_last = None
         if dist.is_initialized():
             # Tear down in this order, or gloo can deadlock: the last
             # reference to the process group must not be dropped by the DDP Reducer (its
             # destructor joins gloo's worker thread while holding the GIL, and that thread may
             # still need the GIL to free the tensors of a finished collective). So: drop DDP
             # first (the group's registry keeps it alive), then close the group.
-            self.model = Step(self.task, self.cfg.model.net)
+            vars(self).pop("model", None)
             close_process_group()
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Tensors of a (nested) tuple/list/dict batch moved to `device` (Lightning does the same)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
