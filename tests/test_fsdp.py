@@ -37,6 +37,7 @@ from tests.helpers import (
     assert_same_tensors,
     assert_same_tree,
     assert_same_weights,
+    exit_check_env,
     final_weights,
     finish,
     launcher,
@@ -213,6 +214,32 @@ def test_accumulation_bf16_offload_and_clipping_stay_bitwise(base_args, tmp_path
     lightning = run_trainer("project.train", args, tmp_path / "lightning", nproc=2)
     raw = run_trainer("project.raw_train", args, tmp_path / "raw", nproc=2)
     assert len(raw["losses"]) >= 6 and lightning["losses"] == raw["losses"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("refused", "needle"),
+    [
+        # 271 validation rows in batches of 45: 4 batches on one rank, 3 on the other
+        (["data.dataset.val_fraction=0.151", "data.batch_size=45"], "as many batches"),
+        # a folder the data source's constructor refuses (Hydra wraps its UserError)
+        (["paths.data_dir=/etc/hostname/data"], "cannot be written"),
+    ],
+)
+def test_a_refusal_once_the_raw_trainers_group_is_up_closes_it(
+    base_args, tmp_path, refused, needle
+) -> None:
+    """Refused after the process group started (setting up its data): exit 2 with one line,
+    and each rank closed its group before exiting (left to interpreter shutdown, gloo can
+    abort the process, exit -6)."""
+    args = ["strategy=fsdp", *base_args, *FSDP, *refused, f"hydra.run.dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
+           "-m", "project.raw_train", *args]  # fmt: skip
+    code, out = finish(start(cmd, **exit_check_env()), timeout=120)
+    assert code == 2 and needle in one_error_line(out), out[-3000:]
+    closed = [ln for ln in out.splitlines() if ln.startswith("exit check:")]
+    # torchrun may end the second rank (SIGTERM, no exit hooks) once the first has exited
+    assert closed and all(ln.endswith("closed") for ln in closed), closed
 
 
 # /feature:raw

@@ -61,7 +61,7 @@ from project.engine.raw.early_stopping import EarlyStopping
 from project.engine.raw.keys import check_config
 from project.engine.raw.rng import isolated_rng, seed_everything
 from project.engine.raw.step import Step, to_device
-from project.engine.run import console, watch
+from project.engine.run import cli, console, watch
 from project.engine.shared.metrics import stage_metrics
 from project.engine.shared.optim import build_optimizer, build_scheduler
 from project.engine.shared.shapes import checked_step
@@ -92,8 +92,11 @@ class RawTrainer(Checkpointing):
         self.setup_distributed(run.topology)
         try:
             self.setup(run)
-        except UserError:  # refused on every rank (or torchrun stops the others): a group
-            self.close_groups()  # left to interpreter shutdown can abort the process (-6)
+        except cli.user_errors():  # bad input: one line, exit 2 (cli.report_user_errors)
+            # A gloo group left to interpreter shutdown can abort the process (-6). Not
+            # NCCL's: its destroy waits for the peers, and the refusal may be this rank's alone.
+            if dist.is_initialized() and dist.get_backend() == "gloo":
+                self.close_groups()
             raise
 
     def setup(self, run: Run) -> None:
@@ -487,10 +490,12 @@ class RawTrainer(Checkpointing):
         return done
 
     def close(self) -> None:
-        self.source.teardown()  # e.g. a remote stream's shard cache (Lightning: at fit's end)
-        if self.writer is not None:
-            self.writer.close()
-        self.close_groups()
+        try:
+            self.source.teardown()  # e.g. a remote stream's shard cache (Lightning: fit's end)
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            self.close_groups()
 
     def close_groups(self) -> None:
         """The sharded `last`'s group (its pending save first), then the default group."""
