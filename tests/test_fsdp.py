@@ -362,10 +362,11 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     publishes them; stopped mid-epoch, the same command in an empty run folder (another
     machine) resumes from the URL and ends bitwise where the run that never stopped does.
     The bucket keeps the newest save and its manifest only; no run folder holds a `last`.
-    On one process it is one line."""
+    One process continues a copy of the stopped run's folder from its URL too."""
     import fsspec
 
-    args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=2"]
+    # no dropout: one process draws other masks than two, its weights would differ by more
+    args = [*base_args, *SHARDED, "model=cnn", "model.net.dropout=0.0", "trainer.max_epochs=2"]
     url, manifest = f"{s3}/run", sharded_manifest(module)
     remote = [*args, f"callbacks.fault_tolerance.dirpath={url}"]
     cut = [*remote, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
@@ -376,6 +377,7 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     assert f"{url}/{manifest} is saved" in cut_out, cut_out[-3000:]
     fs = fsspec.filesystem("s3")
     saved = json.loads(fs.cat_file(f"{url}/{manifest}"))
+    fs.copy(url, f"{s3}/one", recursive=True)  # the stopped run, for one process below
     code, out = finish(job(remote, "elsewhere", module=module), 300)
     assert code == 0, out[-3000:]
     assert f"{url}/{saved['folder']}" in out and "Resuming epoch" in out, out[-3000:]
@@ -390,11 +392,22 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     fs.get(f"{url}/{end['folder']}", str(local / end["folder"]), recursive=True)
     fs.get(f"{url}/{manifest}", str(local / manifest))
     assert_same_tensors(sharded_state(local / manifest)["model"], final_weights(runs / "whole"))
-    # One process cannot read the shards from a URL: one line, the bucket as it was.
-    code, out = finish(job(remote, "one", nproc=1, module=module), 120)
-    assert code == 2, out[-3000:]
-    assert "continues from a URL on several processes" in one_error_line(out)
-    assert json.loads(fs.cat_file(f"{url}/{manifest}")) == end
+    # One process: the shards read from the URL, the global batch kept, the same steps.
+    one = [*args, f"callbacks.fault_tolerance.dirpath={s3}/one"]
+    code, out = finish(job(one, "one", nproc=1, module=module), 300)
+    assert code == 0 and "the global batch of 128 is kept" in out, out[-3000:]
+    assert f"{s3}/one/{saved['folder']}" in out and "Resuming epoch" in out, out[-3000:]
+    alone = json.loads(fs.cat_file(f"{s3}/one/{manifest}"))
+    assert alone["step"] == end["step"], (alone, end)
+    fs.get(f"{s3}/one/{alone['folder']}", str(tmp_path / "one" / alone["folder"]),
+           recursive=True)  # fmt: skip
+    fs.get(f"{s3}/one/{manifest}", str(tmp_path / "one" / manifest))
+    # Float tolerance only: AdamW turns the other sum order's rounding into updates of up to
+    # lr where a gradient is near 0 (5e-4 measured); that it resumed is checked above
+    worst = assert_same_tensors(sharded_state(tmp_path / "one" / manifest)["model"],
+                                final_weights(runs / "whole"), atol=5e-3)  # fmt: skip
+    print(f"largest weight difference, 2 -> 1 process from a URL: {worst:.1e}")
+    assert json.loads(fs.cat_file(f"{url}/{manifest}")) == end  # the other run's untouched
 
 
 @pytest.mark.distributed
@@ -486,21 +499,24 @@ def test_lightning_refuses_a_sharded_last_under_ddp(base_args, log_dir) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "module",
+    ("module", "nproc"),
     [
-        "project.train",
-        "project.raw_train",  # feature:raw
+        ("project.train", 1),
+        ("project.raw_train", 1),  # feature:raw
+        ("project.train", 3),
+        ("project.raw_train", 3),  # feature:raw
     ],
 )
 def test_a_sharded_last_continues_on_another_world_size(
-    base_args, tmp_path, log_dir, module
+    base_args, tmp_path, log_dir, module, nproc
 ) -> None:
-    """Each trainer, stopped in epoch 0 on 2 processes, continued on 1 in its run folder: the
-    state reshards (Lightning: gathered whole), the global batch and every row of the epoch
-    are kept once, the optimizer steps are those of the run that never stopped, the final
-    weights within float tolerance, and the `last` it writes is sharded again."""
+    """Each trainer, stopped in epoch 0 on 2 processes, continued on 1 or 3 in its run folder:
+    the state reshards (on 1 gathered whole, on 3 into three shards), the global batch and
+    every row of the epoch are kept once, the optimizer steps are those of the run that never
+    stopped, the final weights within float tolerance, and the `last` it writes is sharded
+    again."""
     args = [*base_args, *SHARDED, *recorded_data(tmp_path, ROWS),
-            "data.batch_size=20", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
+            "data.batch_size=30", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
             "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
     cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
     whole = job(args, "whole", module=module, RECORD_TAG="whole")
@@ -508,22 +524,24 @@ def test_a_sharded_last_continues_on_another_world_size(
     (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
     assert code == 0, out[-3000:]
     assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
-    code, out = finish(job(args, "cut", nproc=1, module=module, RECORD_TAG="second"), 300)
-    assert code == 0 and "the global batch of 40 is kept" in out, out[-3000:]
+    code, out = finish(job(args, "cut", nproc=nproc, module=module, RECORD_TAG="second"), 300)
+    assert code == 0 and "the global batch of 60 is kept" in out, out[-3000:]
     assert "Resuming epoch 0" in out, out[-3000:]
     runs = log_dir / "train" / "runs"
     assert not list((runs / "cut").rglob("last.pt")) + list((runs / "cut").rglob("*.ckpt"))
-    steps = [sharded_entries(runs / r / "checkpoints" / sharded_manifest(module))["step"]
+    saved = [sharded_entries(runs / r / "checkpoints" / sharded_manifest(module))
              for r in ("cut", "whole")]  # fmt: skip
-    assert steps[0] == steps[1] == 24, steps
+    assert saved[0]["step"] == saved[1]["step"] == 16, [e["step"] for e in saved]
+    assert saved[0]["world"] == nproc, saved[0]["world"]  # written sharded by the new world
     first_reads, second = recorded_reads(tmp_path, "first"), recorded_reads(tmp_path, "second")
-    rest = [i for r in second for i in r[:-ROWS]]  # epoch 0's rest: before the 480 of epoch 1
+    assert len(second) == nproc, len(second)
+    rest = [i for r in second for i in r[: -(ROWS // nproc)]]  # before epoch 1's share
     counts = collections.Counter([i for r in first_reads for i in r] + rest)
     assert set(counts) == set(range(ROWS)), sorted(set(range(ROWS)) - set(counts))[:10]
     # Twice: the batch each rank had fetched when it stopped (read, never trained).
-    assert sum(counts.values()) - ROWS < 2 * 20 + 1, collections.Counter(counts.values())
+    assert sum(counts.values()) - ROWS < 2 * 30 + 1, collections.Counter(counts.values())
     a, b = final_weights(runs / "cut"), final_weights(runs / "whole")
     largest = max(float((a[key] - b[key]).abs().max()) for key in a)
-    print(f"largest weight difference, 2 -> 1 processes, sharded: {largest:.1e}")
+    print(f"largest weight difference, 2 -> {nproc} processes, sharded: {largest:.1e}")
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)

@@ -148,6 +148,17 @@ def download(fs: Any, source: str, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def download_folder(url: str, target: Path, what: str) -> None:
+    """The folder `url` copied into the new folder `target` (a sharded save read on one
+    process: DCP's public reader is local); one line when the store does not give it."""
+    fs, path = open_url(url, what)
+    try:
+        fs.get(path, str(target), recursive=True)
+    except Exception as err:
+        raise UserError(f"{what}={url} cannot be downloaded ({short(err)}): check the "
+                        "credentials and the URL") from None  # fmt: skip
+
+
 @dataclass
 class RemoteLast:
     """The `last` checkpoint of a run whose checkpoint folder is `url` (see the module doc),

@@ -2,18 +2,21 @@
 without a process group: for `python -m project.consolidate` (`consolidated`: one plain file's
 content), eval.py (its weights) and a Lightning run on one process or under DDP resuming from
 it (`resumable`: the whole Lightning checkpoint it stands for). DCP's own reader fills every
-entry its index lists; a local folder only (DCP's single-process reader reads no URL).
+entry its index lists; a folder at a URL (a run's sharded `last` in object storage) is copied
+into a temporary folder first, as DCP's public single-process reader is local.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from project.engine.checkpoints.remote import is_url, join
+from project.engine.checkpoints.remote import download_folder, is_url, join
 from project.engine.checkpoints.sharded import (
     COMMON,
     one_process_quiet,
@@ -81,7 +84,7 @@ def consolidated(
     """The plain checkpoint `python -m project.consolidate` writes (see its docstring), in
     memory: the weights (optimizer too) of the sharded save `ckpt` names, every key under
     `prefix`, and the entries CARRIED names. `what` names `ckpt` in a one-line error."""
-    if is_url(ckpt):  # DCP's single-process reader reads local folders only
+    if is_url(ckpt):  # only a run's own `last` is read from a URL (gathered copies it)
         raise UserError(f"{what}={ckpt} is a URL: copy the save folder here first (e.g. "
                         "`aws s3 sync`) and give its local path")  # fmt: skip
     folder = resolve(ckpt, what)
@@ -124,13 +127,18 @@ def resumable(ckpt: str, what: str = "ckpt_path") -> dict[str, Any]:
 
 
 def gathered(folder: str, only: str | None = None) -> dict[str, Any]:
-    """The whole state of a local save folder (every rank's shards joined) read on this
-    process without a process group, nested as it was saved ({"model": ..., "optim": ...});
-    `only`: that top-level entry alone ("model": the optimizer's state is not read). Every
-    entry DCP's index lists is made from its recorded size (a tensor) or left for DCP's
-    reader to fill (a plain value), then put back where the index's mapping says."""
+    """The whole state of a save folder (every rank's shards joined; by URL, copied into a
+    temporary folder first) read on this process without a process group, nested as it was
+    saved ({"model": ..., "optim": ...}); `only`: that top-level entry alone ("model": the
+    optimizer's state is not read). Every entry DCP's index lists is made from its recorded
+    size (a tensor) or left for DCP's reader to fill (a plain value), then put back where the
+    index's mapping says."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if is_url(folder):  # DCP's public reader of one process is local: a copy read here
+        with tempfile.TemporaryDirectory(prefix="sharded-save-") as local:
+            download_folder(folder, Path(local) / "save", "the sharded checkpoint")
+            return gathered(str(Path(local) / "save"), only)
     reader = dcp.FileSystemReader(folder)
     index = reader.read_metadata()
     paths = {key: index.planner_data.get(key, (key,)) for key in index.state_dict_metadata}

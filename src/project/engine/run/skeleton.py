@@ -196,26 +196,19 @@ def check_strategy(run: Run, trainer: str) -> None:
     FSDP on several processes writes its `last` sharded (fsdp.options.check_checkpoints), and
     a run folder that holds a sharded `last` keeps it sharded: on any world size, but under
     Lightning's DDP (`trainer`: "lightning" or "raw")."""
-    from project.engine.checkpoints.remote import is_url
     from project.engine.distributed import ddp
     from project.engine.distributed.fsdp import options as fsdp_options
 
     strategy, world = run.cfg.get("strategy"), run.topology.world_size
     fsdp = fsdp_options.chosen(strategy)
     manifest, remote = run.checkpoints.sharded_manifest, run.checkpoints.remote is not None
-    # A sharded save by URL is read on several processes only (DCP's reader of one is local).
-    copy = "copy its folder here first (e.g. `aws s3 sync`) and give ckpt_path=<that folder>"
     if trainer == "lightning" and run.checkpoints.sharded and world > 1 and not fsdp:
+        copy = "copy its folder here first (e.g. `aws s3 sync`) and give ckpt_path=<that folder>"
         raise UserError(
             f"{manifest} publishes a sharded `last`, which Lightning continues in its run "
             "folder under strategy=fsdp or on one process, not under DDP: rerun with "
             "strategy=fsdp, or start a new run (another RUN_ID) from it: "
             + (copy if remote else f"ckpt_path={manifest.removesuffix('.json')}")
-        )
-    if remote and world == 1 and is_url(run.resume.path):
-        raise UserError(
-            f"{manifest} publishes a sharded `last`, which continues from a URL on several "
-            f"processes (strategy=fsdp); on one process, {copy}"
         )
     if not fsdp_options.chosen(strategy):
         ddp.check_options(strategy, run.cfg.trainer, world)
