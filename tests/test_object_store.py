@@ -14,7 +14,7 @@ import fsspec
 import pytest
 import torch
 
-from project.engine.checkpoints.remote import RemoteLast, fetch_checkpoint, probe
+from project.engine.checkpoints.remote import RemoteLast, download_folder, fetch_checkpoint, probe
 from project.engine.checkpoints.resume import find_resume
 from project.engine.checkpoints.sharded import names_save
 from project.engine.distributed.exits import EXIT_PREEMPTED
@@ -122,6 +122,19 @@ def test_ckpt_path_url_reads_what_the_manifest_publishes(url, tmp_path) -> None:
     assert torch.load(path, weights_only=True)["step"] == 7
     with pytest.raises(UserError, match=r"ckpt_path=.*/nothing.ckpt does not exist"):
         fetch_checkpoint(f"{url}/nothing.ckpt", tmp_path / "b", "ckpt_path")
+
+
+@pytest.mark.quick
+def test_a_save_folder_at_a_url_is_copied_whole_or_refused_in_one_line(url, tmp_path) -> None:
+    """A sharded save at a URL read on one process (whole.gathered) is copied first: its files
+    land in the target itself; a folder that is gone is one line, not DCP's traceback."""
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{url}/save/.metadata", b"index")
+    fs.pipe(f"{url}/save/__0_0.distcp", b"shards")
+    download_folder(f"{url}/save", tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == [".metadata", "__0_0.distcp"]
+    with pytest.raises(UserError, match=r"/gone holds no files \(removed meanwhile\?\)"):
+        download_folder(f"{url}/gone", tmp_path / "none")
 
 
 @pytest.mark.quick

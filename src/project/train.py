@@ -36,6 +36,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
+    from project.engine.checkpoints.remote import STAGING
     from project.engine.lightning import build
     from project.engine.lightning.callbacks import AtomicCheckpointIO
     from project.engine.lightning.datamodule import shard_datamodule
@@ -60,7 +61,7 @@ def fit_and_test(run: skeleton.Run) -> dict[str, float]:
         strategy=strategy,
         callbacks=callbacks,
         logger=loggers or False,
-        plugins=[AtomicCheckpointIO(run.ledger)],
+        plugins=[AtomicCheckpointIO(run.ledger, run.output_dir / STAGING)],
         profiler=build.profiler(cfg),
         # Lightning adds a ModelCheckpoint of its own where none is configured: not in a run
         # whose `last` is sharded (strategy=fsdp on several processes)

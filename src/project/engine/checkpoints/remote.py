@@ -148,15 +148,22 @@ def download(fs: Any, source: str, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def download_folder(url: str, target: Path, what: str) -> None:
-    """The folder `url` copied into the new folder `target` (a sharded save read on one
-    process: DCP's public reader is local); one line when the store does not give it."""
-    fs, path = open_url(url, what)
+def download_folder(url: str, target: Path) -> None:
+    """The folder `url` copied into `target`, which must not exist yet (then its files land in
+    it, not in a subfolder); one line when that fails, a full disk too."""
+    fs, path = open_url(url, "the checkpoint folder")
     try:
         fs.get(path, str(target), recursive=True)
+        if not target.is_dir() or not any(target.iterdir()):  # some stores list no folder
+            raise FileNotFoundError(path)
+    except FileNotFoundError:
+        raise UserError(
+            f"{url} holds no files (removed meanwhile?): continue from another "
+            "save with ckpt_path=..., or start a new run (another RUN_ID)"
+        ) from None
     except Exception as err:
-        raise UserError(f"{what}={url} cannot be downloaded ({short(err)}): check the "
-                        "credentials and the URL") from None  # fmt: skip
+        raise UserError(f"{url} cannot be copied into {target.parent} ({short(err)}): check "
+                        "the URL, its credentials and the free space there") from None  # fmt: skip
 
 
 @dataclass

@@ -191,7 +191,7 @@ def find_resume(
     the raw trainer): the other trainer's checkpoint is refused with one line. A ckpt_path
     that is a URL (s3://...) is downloaded into `staging` first; `shown` names `last` in
     messages (its URL, where it is a local copy of one). `last` may be the folder of a
-    sharded `last` by URL (DCP reads it there).
+    sharded `last` by URL (DCP reads it there; Lightning on one process copies it first).
     """
     explicit = cfg.get("ckpt_path")
     if explicit and is_url(explicit):

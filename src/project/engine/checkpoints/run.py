@@ -144,7 +144,7 @@ class RunCheckpoints:
         )
         # What auto_resume continues from: the local `last`, the published one fetched, or
         # the folder a sharded `last` publishes (resolve checks it is complete; by URL, DCP
-        # reads it there).
+        # reads it there, or Lightning on one process copies it: whole.gathered).
         self.resume_last: Path | str | None = self.last
         if self.sharded:
             from project.engine.checkpoints.sharded import resolve

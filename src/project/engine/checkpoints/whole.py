@@ -2,8 +2,9 @@
 without a process group: for `python -m project.consolidate` (`consolidated`: one plain file's
 content), eval.py (its weights) and a Lightning run on one process or under DDP resuming from
 it (`resumable`: the whole Lightning checkpoint it stands for). DCP's own reader fills every
-entry its index lists; a folder at a URL (a run's sharded `last` in object storage) is copied
-into a temporary folder first, as DCP's public single-process reader is local.
+entry its index lists. The index is read through DCP's FileSystemReader, which is local (its
+fsspec twin is private): a folder at a URL (a run's sharded `last` in object storage, resumed
+by Lightning on one process) is copied into a temporary folder in the run's staging first.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def consolidated(
     """The plain checkpoint `python -m project.consolidate` writes (see its docstring), in
     memory: the weights (optimizer too) of the sharded save `ckpt` names, every key under
     `prefix`, and the entries CARRIED names. `what` names `ckpt` in a one-line error."""
-    if is_url(ckpt):  # only a run's own `last` is read from a URL (gathered copies it)
+    if is_url(ckpt):  # copied whole to be read: the user picks the disk (and downloads once)
         raise UserError(f"{what}={ckpt} is a URL: copy the save folder here first (e.g. "
                         "`aws s3 sync`) and give its local path")  # fmt: skip
     folder = resolve(ckpt, what)
@@ -107,15 +108,16 @@ def consolidated(
     return result
 
 
-def resumable(ckpt: str, what: str = "ckpt_path") -> dict[str, Any]:
+def resumable(ckpt: str, what: str = "ckpt_path", staging: Path | None = None) -> dict[str, Any]:
     """The Lightning checkpoint a sharded save of train.py stands for, whole on this process:
     every entry it saved as it is (loops, callbacks, scheduler, the run's identity), the
     weights under `task.`, the optimizer's state in torch's layout with its learning rates as
     saved, and this rank's own random streams where the world size is the one that saved it
-    (else rank 0's). What a run on one process or under DDP resumes from."""
+    (else rank 0's). What a run on one process or under DDP resumes from. `staging`: where a
+    save at a URL is copied to be read (`gathered`)."""
     folder = resolve(ckpt, what)
     saved = read_entries(join(folder, COMMON))
-    full = gathered(folder)
+    full = gathered(folder, staging=staging)
     rank, size = world()
     mine = read_entries(join(folder, own_file(rank))) if saved["world"] == size else {}
     return {
@@ -126,18 +128,21 @@ def resumable(ckpt: str, what: str = "ckpt_path") -> dict[str, Any]:
     }
 
 
-def gathered(folder: str, only: str | None = None) -> dict[str, Any]:
+def gathered(folder: str, only: str | None = None, staging: Path | None = None) -> dict[str, Any]:
     """The whole state of a save folder (every rank's shards joined; by URL, copied into a
-    temporary folder first) read on this process without a process group, nested as it was
+    temporary folder in `staging` first, the system's temporary folder without one) read on
+    this process without a process group, nested as it was
     saved ({"model": ..., "optim": ...}); `only`: that top-level entry alone ("model": the
     optimizer's state is not read). Every entry DCP's index lists is made from its recorded
     size (a tensor) or left for DCP's reader to fill (a plain value), then put back where the
     index's mapping says."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if is_url(folder):  # DCP's public reader of one process is local: a copy read here
-        with tempfile.TemporaryDirectory(prefix="sharded-save-") as local:
-            download_folder(folder, Path(local) / "save", "the sharded checkpoint")
+    if is_url(folder):  # the index is read by the local FileSystemReader: a copy is read
+        if staging is not None:
+            staging.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="sharded-save-", dir=staging) as local:
+            download_folder(folder, Path(local) / "save")
             return gathered(str(Path(local) / "save"), only)
     reader = dcp.FileSystemReader(folder)
     index = reader.read_metadata()

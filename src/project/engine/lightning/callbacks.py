@@ -18,6 +18,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.engine.checkpoints import sharded, whole
+from project.engine.checkpoints.remote import is_url
 from project.engine.checkpoints.resume import check_same_on_every_rank
 from project.engine.checkpoints.state import atomic_save
 from project.engine.data import sharding
@@ -250,17 +251,20 @@ def comm_hook(trainer: pl.Trainer) -> comm_hooks.CommHook | None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning writes checkpoints straight into the target file; a kill midway leaves a
     truncated last.ckpt. This writes a temp file, fsyncs and renames it over the target.
-    Loading is booked to the ledger's reload phase (goodput)."""
+    Loading is booked to the ledger's reload phase (goodput). `staging`: where a sharded save
+    at a URL is copied to be read."""
 
-    def __init__(self, ledger: Ledger | None = None) -> None:
+    def __init__(self, ledger: Ledger | None = None, staging: Path | None = None) -> None:
         super().__init__()
-        self.ledger = ledger
+        self.ledger, self.staging = ledger, staging
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         # A sharded save (strategy=fsdp's, given to a run on one process or under DDP):
-        # gathered whole on each process (checkpoints.whole.resumable).
-        if sharded.names_save(str(path)):
-            return self.booked(functools.partial(whole.resumable, str(path)))
+        # gathered whole on each process (checkpoints.whole.resumable). A URL here is a
+        # sharded `last`'s folder (RunCheckpoints): any other URL was downloaded first.
+        if is_url(str(path)) or sharded.names_save(str(path)):
+            read = functools.partial(whole.resumable, str(path), staging=self.staging)
+            return self.booked(read)
         return self.booked(functools.partial(super().load_checkpoint, path, *args, **kwargs))
 
     def booked(self, read: Callable[[], Any]) -> Any:
