@@ -131,11 +131,10 @@ def resumable(ckpt: str, what: str = "ckpt_path", staging: Path | None = None) -
 def gathered(folder: str, only: str | None = None, staging: Path | None = None) -> dict[str, Any]:
     """The whole state of a save folder (every rank's shards joined; by URL, copied into a
     temporary folder in `staging` first, the system's temporary folder without one) read on
-    this process without a process group, nested as it was
-    saved ({"model": ..., "optim": ...}); `only`: that top-level entry alone ("model": the
-    optimizer's state is not read). Every entry DCP's index lists is made from its recorded
-    size (a tensor) or left for DCP's reader to fill (a plain value), then put back where the
-    index's mapping says."""
+    this process without a process group, nested as it was saved ({"model": ..., "optim":
+    ...}); `only`: that top-level entry alone ("model": the optimizer's state is not read).
+    Every entry DCP's index lists is made from its recorded size (a tensor) or left for DCP's
+    reader to fill (a plain value), then put back where the index's mapping says."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if is_url(folder):  # the index is read by the local FileSystemReader: a copy is read
