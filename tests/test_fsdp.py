@@ -37,7 +37,7 @@ from tests.helpers import (
     assert_same_tensors,
     assert_same_tree,
     assert_same_weights,
-    exit_check_env,
+    exit_check_env,  # feature:raw
     final_weights,
     finish,
     launcher,
