@@ -233,8 +233,7 @@ def test_a_refusal_once_the_raw_trainers_group_is_up_closes_it(
     and each rank closed its group before exiting (left to interpreter shutdown, gloo can
     abort the process, exit -6)."""
     args = ["strategy=fsdp", *base_args, *FSDP, *refused, f"hydra.run.dir={tmp_path}"]
-    cmd = [sys.executable, "-m", "project.launcher", "--standalone", "--nproc-per-node=2",
-           "-m", "project.raw_train", *args]  # fmt: skip
+    cmd = launcher(["-m", "project.raw_train", *args])
     code, out = finish(start(cmd, **exit_check_env()), timeout=120)
     assert code == 2 and needle in one_error_line(out), out[-3000:]
     closed = [ln for ln in out.splitlines() if ln.startswith("exit check:")]
@@ -346,6 +345,18 @@ def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, m
     assert code == 0 and "This run already finished" in out, out[-3000:]
 
 
+def bucket_weights(url: str, manifest: str, into: Path) -> dict[str, torch.Tensor]:
+    """The weights of the save the manifest at `url` publishes: downloaded into `into`, then
+    gathered by torch's own reader (sharded_state), not the project's."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    folder = json.loads(fs.cat_file(f"{url}/{manifest}"))["folder"]
+    fs.get(f"{url}/{folder}", str(into / folder), recursive=True)
+    fs.get(f"{url}/{manifest}", str(into / manifest))
+    return sharded_state(into / manifest)["model"]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "module",
@@ -388,10 +399,8 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     runs = log_dir / "train" / "runs"
     assert [p.parent.parent.name for p in runs.rglob(manifest)] == ["whole"]  # local: its own
     assert not [p for p in runs.rglob("*") if "staging" in str(p) and p.is_file()]  # none
-    local = tmp_path / "downloaded"
-    fs.get(f"{url}/{end['folder']}", str(local / end["folder"]), recursive=True)
-    fs.get(f"{url}/{manifest}", str(local / manifest))
-    assert_same_tensors(sharded_state(local / manifest)["model"], final_weights(runs / "whole"))
+    assert_same_tensors(bucket_weights(url, manifest, tmp_path / "downloaded"),
+                        final_weights(runs / "whole"))  # fmt: skip
     # One process, from the URL and from a local copy of the same stopped run ("control"):
     # the global batch kept, the same steps, the same weights bitwise.
     control = runs / "control" / "checkpoints"
@@ -406,10 +415,7 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     assert sorted(p.rpartition("/")[2] for p in fs.ls(f"{s3}/one", refresh=True)) == sorted(
         [alone["folder"], manifest])  # fmt: skip
     assert not [p for p in (runs / "one").rglob("*") if "staging" in str(p) and p.is_file()]
-    fs.get(f"{s3}/one/{alone['folder']}", str(tmp_path / "one" / alone["folder"]),
-           recursive=True)  # fmt: skip
-    fs.get(f"{s3}/one/{manifest}", str(tmp_path / "one" / manifest))
-    assert_same_tensors(sharded_state(tmp_path / "one" / manifest)["model"],
+    assert_same_tensors(bucket_weights(f"{s3}/one", manifest, tmp_path / "one"),
                         final_weights(runs / "control"))  # fmt: skip
     assert json.loads(fs.cat_file(f"{url}/{manifest}")) == end  # the other run's untouched
 
