@@ -151,7 +151,9 @@ def torchrun_runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> C
     """(*overrides, trainer="lightning", attempt=0) -> the Run of `launch/single_node.sh` with
     2 processes, TORCHRUN_ARGS and the overrides, made once per session: the DDP-option,
     launcher and parity tests share them. Another `attempt` is the same command again, in
-    the same log folder. Every worker must have closed its process group."""
+    the same log folder; attempt 1 starts its workers cold (PROJECT_WARM_START=0, the others
+    fork them from the launcher's warm process): the rerun test then also checks that both
+    compute the same. Every worker must have closed its process group."""
     done: dict[tuple, Run] = {}
     log_dirs: dict[tuple, Path] = {}
 
@@ -164,8 +166,9 @@ def torchrun_runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> C
             before = set(runs.iterdir()) if runs.exists() else set()
             args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *TORCHRUN_ARGS,
                     *overrides]  # fmt: skip
+            cold = {"PROJECT_WARM_START": "0"} if attempt == 1 else {}
             out = run_launch("single_node.sh", args, NPROC_PER_NODE="2", TRAINER=trainer,
-                             **exit_check_env())  # fmt: skip
+                             **exit_check_env(), **cold)  # fmt: skip
             assert_groups_closed(out, 2)
             (run_dir,) = set(runs.iterdir()) - before  # a folder of its own
             done[overrides, trainer, attempt] = Run(run_dir, out)

@@ -313,8 +313,8 @@ class Run:
 
 
 def torchrun(target: Sequence[str], nproc: int = 2) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node=N <target>`: the
-    command project.compare and sweep jobs build (project.engine.launch.torchrun)."""
+    """`python -m project.launcher --standalone --nproc-per-node=N <target>`: the command
+    project.compare and sweep jobs build (project.engine.launch.torchrun)."""
     from project.engine.launch.torchrun import command
 
     return command(list(target), nproc)

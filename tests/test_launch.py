@@ -20,6 +20,7 @@ from tests.helpers import (
     ROOT,
     SHORT_LOGGED,
     assert_same_training,  # feature:raw
+    assert_same_weights,
     child_env,
     finish,
     free_port,
@@ -66,8 +67,12 @@ def test_both_trainers_log_their_throughput(torchrun_runs) -> None:
 
 
 def test_torchrun_losses_identical_on_rerun(torchrun_runs) -> None:
-    first, second = (step_losses(torchrun_runs(attempt=i).dir) for i in (0, 1))
-    assert len(first) >= 20 and first == second
+    """The same command twice: the workers forked from the launcher's warm process (attempt
+    0) and started as new processes (attempt 1) train bitwise alike."""
+    first, second = (torchrun_runs(attempt=i) for i in (0, 1))
+    assert "workers start cold" not in first.out
+    assert len(step_losses(first.dir)) >= 20 and step_losses(first.dir) == step_losses(second.dir)
+    assert_same_weights(first.dir, second.dir)
 
 
 @pytest.mark.parametrize(
@@ -389,3 +394,71 @@ def test_launcher_forwards_every_stop_signal(tmp_path, signum) -> None:
 def test_unknown_trainer_switch() -> None:
     code, out = finish(start([str(ROOT / "launch" / "single_node.sh")], TRAINER="jax"), 30)
     assert code == 2 and "error: TRAINER=jax is not one of the trainers" in out
+
+
+# A worker the launcher starts: what it sees of how it was started. It exits with argv[1] on
+# rank 1. `python -m warm_probe` (tmp_path on PYTHONPATH).
+WARM_PROBE = """
+import os, sys
+PRELOADED = "torch" in sys.modules  # imported before this module: a warm start
+# Lightning sets its rank_zero_only.rank from RANK as it loads: the warm process has none
+WARM_IMPORTS = ("lightning.fabric.utilities.rank_zero",)
+if __name__ == "__main__":
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    parent = open(f"/proc/{os.getppid()}/cmdline").read().replace("\\0", " ")
+    own = os.getsid(0) == os.getpid()
+    print(f"rank {os.environ['RANK']}: preloaded={PRELOADED} own_session={own} "
+          f"zero_only_rank={rank_zero_only.rank} argv={sys.argv[1:]} parent={parent}", flush=True)
+    sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
+"""
+
+
+def probe_job(tmp_path: Path, module: str, *args: str, **env: str) -> tuple[int, str]:
+    """`python -m project.launcher --nproc-per-node=2 -m <module> args` with tmp_path on the
+    path; (exit code, output)."""
+    path = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return finish(start(launcher(["-m", module, *args]), **path, **env), 120)
+
+
+def test_warm_workers_are_forked_and_end_as_cold_ones_do(tmp_path) -> None:
+    """Each worker is forked from the launcher's warm process (torch imported before its
+    module) into a session of its own, with its rank read again; its exit code is the job's
+    as a cold worker's is (2: bad input; 3: one line naming the rank, exit 1)."""
+    (tmp_path / "warm_probe.py").write_text(WARM_PROBE)
+    for warm, code, job_code in (("1", "2", 2), ("0", "2", 2), ("1", "3", 1)):
+        ended, out = probe_job(tmp_path, "warm_probe", code, PROJECT_WARM_START=warm)
+        assert ended == job_code, out
+        lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
+        assert len(lines) == 2, out
+        for rank, line in enumerate(lines):
+            assert f"own_session=True zero_only_rank={rank} argv=['{code}']" in line, line
+            assert f"preloaded={warm == '1'}" in line, line
+            parent = "project.engine.launch.warm" if warm == "1" else "project.launcher"
+            assert parent in line.split("parent=")[1], line
+        if job_code == 1:
+            assert "error: rank 1" in out and "exited with code 3" in out, out
+
+
+def test_an_entry_point_that_cannot_be_imported_is_one_line(tmp_path) -> None:
+    (tmp_path / "broken_probe.py").write_text("import not_a_module_anywhere\n")
+    code, out = probe_job(tmp_path, "broken_probe")
+    assert code == 2 and "Traceback" not in out, out
+    error = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert error == [
+        "error: the entry point's module broken_probe cannot be imported (ModuleNotFoundError: "
+        "No module named 'not_a_module_anywhere'); run `python -m broken_probe` to see the "
+        "traceback"
+    ], out
+
+
+def test_a_module_that_starts_a_thread_at_import_starts_its_workers_cold(tmp_path) -> None:
+    """A fork beside a running thread can inherit a lock held for good: the warm process
+    never forks then; the workers start as new processes, with one line saying why."""
+    (tmp_path / "thread_probe.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n" + WARM_PROBE
+    )
+    code, out = probe_job(tmp_path, "thread_probe", "0")
+    assert code == 0, out
+    assert "launcher: workers start cold: importing thread_probe started a thread" in out, out
+    assert out.count("preloaded=False") == 2, out

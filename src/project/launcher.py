@@ -38,6 +38,7 @@ import tempfile
 from typing import Any
 
 from project.engine.distributed.exits import (
+    EXIT_BAD_INPUT,
     EXIT_DIR_ENV,
     EXIT_FAILED,
     EXIT_HUNG,
@@ -47,6 +48,7 @@ from project.engine.distributed.exits import (
     recorded_resume,
     worker_exits,
 )
+from project.engine.launch import warm
 from project.engine.launch.env import COMMAND_ENV
 from project.engine.private_api import (
     after_rendezvous,
@@ -54,6 +56,7 @@ from project.engine.private_api import (
     exit_barrier_on_live_peers,
     restart_only_crashes,
     signals_once,
+    warm_workers,
 )
 
 EXTRA_SIGNALS = ("SIGUSR1", "SIGUSR2")
@@ -142,6 +145,7 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     if cpp_level is None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
@@ -164,6 +168,9 @@ def launch(argv: list[str]) -> int:
     # What the stop line and the hang report print after `RUN_ID=<id>` (the launch scripts
     # set the command as typed; a worker cannot see torchrun's arguments itself).
     os.environ.setdefault(COMMAND_ENV, shlex.join(["python", *sys.orig_argv[1:]]))
+    zygote = warm.start(args)  # workers forked from one process that imported torch once
+    if zygote is not None:
+        warm_workers(SubprocessHandler, zygote.spawn)
     try:
         torchrun.run(args)
         return EXIT_OK
@@ -178,6 +185,9 @@ def launch(argv: list[str]) -> int:
         return EXIT_FAILED
     except mp_api.SignalException as err:
         return _signalled(int(err.sigval), folder)
+    except warm.WarmStartError as err:
+        print(err, file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     except Exception as err:
         if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
             print(_rendezvous_line(err, args, state["ran"]), file=sys.stderr, flush=True)
@@ -185,6 +195,8 @@ def launch(argv: list[str]) -> int:
         raise
     finally:
         state["done"] = True
+        if zygote is not None:
+            zygote.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -23,6 +23,9 @@ from project.engine.config.compose import CONFIG_DIR
 from project.engine.raw.keys import ADAPTERS, check_config
 from project.engine.run import cli, skeleton
 
+# What project.launcher's warm start imports once per node, before it forks the workers
+# (project.engine.launch.warm); never Lightning, which this trainer does not run.
+WARM_IMPORTS = ("project.engine.raw.trainer", "torchmetrics", "torch.utils.tensorboard")
 # Not the Lightning adapters' own targets: importing them imports Lightning, which this trainer
 # never runs (raw.keys.check_config says in one line when they are not the adapters).
 RAW = skeleton.EntryPoint(

@@ -23,6 +23,11 @@ log = logging.getLogger("project.train")  # not __name__: run as a script it is 
 register_resolvers()
 quiet_hydra()
 
+# What project.launcher's warm start imports once per node, before it forks the workers
+# (project.engine.launch.warm): what fit_and_test imports, and the heaviest of what it builds.
+WARM_IMPORTS = ("lightning.pytorch", "torchmetrics", "torch.utils.tensorboard",
+                "project.engine.lightning.build", "project.engine.lightning.callbacks",
+                "project.engine.lightning.datamodule")  # fmt: skip
 LIGHTNING = skeleton.EntryPoint("lightning", "project.train", checkpoint_key="state_dict")
 
 

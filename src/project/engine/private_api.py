@@ -26,6 +26,7 @@ POWERSGD_SLOTS = (
 FR_DUMP = "_dump_fr_trace_json"
 FR_ENTRY = ("collective_seq_id", "profiling_name", "retired", "input_sizes", "process_group",
             "is_p2p")  # fmt: skip
+HANDLER = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 # (module, dotted attribute) of every private name the template uses; `FR_DUMP.entries.<f>`:
 # a field of that dump's entries (tests/test_private_api.py reads a real one).
 USED = (
@@ -58,6 +59,14 @@ USED = (
         "_ChildProcessObserver._terminate_all",
     ),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier"),
+    # The launcher's warm start (engine/launch/warm.py): the agent's Popen, and what a forked
+    # worker reads again or runs as the interpreter would at its exit.
+    (HANDLER, "SubprocessHandler._popen"),
+    (HANDLER, "SubprocessHandler._stdout"),
+    (HANDLER, "SubprocessHandler._stderr"),
+    ("lightning.fabric.utilities.rank_zero", "_get_rank"),
+    ("threading", "_shutdown"),
+    ("atexit", "_run_exitfuncs"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._restart_workers"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier_timeout"),
@@ -230,6 +239,22 @@ def signals_once(mp_api: Any, state: dict[str, Any]) -> None:
         raise_signal(signum, frame)
 
     mp_api._terminate_process_handler = handler
+
+
+def warm_workers(handler_cls: Any, spawn: Callable[[tuple, dict], Any]) -> None:
+    """torchrun's agent starts each worker with Popen: ask `spawn` first (a worker forked from
+    the node's warm process, project.engine.launch.warm; None: start it as before). Workers
+    whose output goes to files (`--redirects`, `--tee`) always start as before."""
+    popen = handler_cls._popen
+
+    def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        if self._stdout is None and self._stderr is None:
+            proc = spawn(args, env)
+            if proc is not None:
+                return proc
+        return popen(self, args, env)
+
+    handler_cls._popen = _popen
 
 
 def exit_barrier_on_live_peers(agent_cls: Any, poll_s: float = 0.5) -> None:

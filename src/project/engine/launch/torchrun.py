@@ -23,11 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def command(target: Sequence[str], nproc: int = 1) -> list[str]:
-    """`python <target>` for one process, else the same under single-node torchrun
-    (`target` is what follows `python`: ["-m", module, *args] or [script, *args])."""
+    """`python <target>` for one process, else the same under single-node torchrun as the
+    launch scripts run it (project.launcher: its exit codes, its warm start) (`target` is what
+    follows `python`: ["-m", module, *args] or [script, *args])."""
     if nproc == 1:
         return [sys.executable, *target]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [sys.executable, "-m", "project.launcher", "--standalone",
             f"--nproc-per-node={nproc}", *target]  # fmt: skip
 
 
@@ -51,7 +52,8 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 def relaunch(module: str, overrides: Sequence[str], output_dir: str, nproc: int) -> None:
-    """Run this sweep job as `torchrun --standalone -m <module>` writing into `output_dir`.
+    """Run this sweep job as `torchrun --standalone -m <module>` (the launcher's) writing into
+    `output_dir`.
 
     Lightning's own launcher re-runs `sys.argv`, which in a Hydra multirun repeats the whole
     sweep in every child (Lightning #11300, #15737). A torchrun job per sweep job keeps one
@@ -75,4 +77,4 @@ def relaunch(module: str, overrides: Sequence[str], output_dir: str, nproc: int)
             os.killpg(proc.pid, signal.SIGKILL)
         raise
     if code != 0:
-        raise RuntimeError(f"sweep job in {output_dir} failed (torchrun exit code {code})")
+        raise RuntimeError(f"sweep job in {output_dir} failed (launcher exit code {code})")

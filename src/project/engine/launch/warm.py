@@ -1,0 +1,391 @@
+"""A warm start for the launcher's workers: torch, Lightning and the entry point imported once
+per node, each worker forked from that process instead of starting Python anew.
+
+A worker of a 2-process job spent most of its start importing (torch, Lightning, torchmetrics:
+docs/performance.md has the figures), once per process and again at every restart. Here
+`project.launcher` starts one process per node (the "zygote", this module run as a script)
+as soon as it has read its arguments, so its imports overlap the rendezvous. It imports the
+entry point (`-m project.train`) and what the entry point lists in `WARM_IMPORTS`, and then
+only waits. torchrun's agent asks it for each worker (project.engine.private_api.warm_workers
+replaces the agent's `Popen`); it forks one that, like torchrun's own:
+
+- runs in a session of its own (the agent signals its process group) with the agent's
+  environment for that rank, unbuffered stdout/stderr (`python -u`), default signal handlers;
+- runs the module as `__main__` (`runpy`, as `python -m` does), then the interpreter's own
+  shutdown steps (non-daemon threads joined, atexit handlers, streams flushed);
+- ends with the code `python` would: 0, the SystemExit code, 1 for an exception, or the
+  signal that killed it (the zygote, its parent, reports it to the agent).
+
+What the zygote refuses to do, so that a fork is as good as a fresh process: it forks only
+while it is the one thread of its process, and never after CUDA was initialised. A module
+that starts a thread or touches CUDA at import time turns the warm start off for the job (one
+`launcher:` line, workers start cold). An entry point that cannot be imported is one `error:`
+line naming the module, exit 2 (project.launcher). `PROJECT_WARM_START=0` starts every worker
+cold. Values a library reads from the environment at import time are read again in each
+worker where the template knows them (Lightning's and torchmetrics' rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+WARM_ENV = "PROJECT_WARM_START"  # "0": every worker starts as a new Python process
+# Signals the zygote ignores (it ends when the agent closes its socket, after its workers:
+# their exit codes go through it); each worker gets the defaults back.
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_HEADER = struct.Struct("!I")
+
+
+class WarmStartError(Exception):
+    """The entry point could not be imported: the job cannot start (one line, exit 2)."""
+
+
+def _send(sock: socket.socket, message: tuple) -> None:
+    data = pickle.dumps(message)
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _receive(sock: socket.socket) -> tuple | None:
+    """One message, or None once the other end has closed."""
+    head = _read_exactly(sock, _HEADER.size)
+    return None if head is None else pickle.loads(_read_exactly(sock, _HEADER.unpack(head)[0]))
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+# --- the agent's side -------------------------------------------------------------------------
+def worker_argv(args: Sequence[str]) -> list[str] | None:
+    """What a worker runs after `python -u` (["-m", module, ...] or [script, ...]) when torchrun
+    starts it as this Python would; None for anything else (another binary, a NUMA wrapper)."""
+    if len(args) < 3 or args[0] != sys.executable or args[1] != "-u":
+        return None
+    return list(args[2:]) if args[2] != "-m" or len(args) > 3 else None
+
+
+def start(args: Any) -> Zygote | None:
+    """The node's warm process for torchrun's parsed `args`, started now so that its imports
+    overlap the rendezvous; None when workers start cold (PROJECT_WARM_START=0, --no-python,
+    --run-path, one process per node: nothing to share, and numpy's BLAS starts its threads
+    at import unless OMP_NUM_THREADS=1, which torchrun sets only for several)."""
+    if os.environ.get(WARM_ENV) == "0" or args.no_python or args.run_path:
+        return None
+    from torch.distributed.run import determine_local_world_size
+
+    if determine_local_world_size(args.nproc_per_node) < 2:
+        return None
+    # torchrun's own rule, applied before libgomp and BLAS read it (once, as they load)
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    target = ["-m", args.training_script] if args.module else [args.training_script]
+    return Zygote(target, env)
+
+
+class Zygote:
+    """The agent's handle on its node's warm process: start it, fork workers, learn their ends."""
+
+    def __init__(self, target: Sequence[str], env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", __name__, str(theirs.fileno()), *target],
+            env=env, pass_fds=(theirs.fileno(),),
+        )  # fmt: skip
+        theirs.close()
+        self.sock, self.lock = ours, threading.Lock()
+        self.state: tuple | None = None  # ("ready",) | ("cold", why) | ("failed", line)
+        self.exits: dict[int, int] = {}
+        self.replies: list[tuple] = []
+        self.gone = self.told = False
+
+    def spawn(self, args: Sequence[str], env: dict[str, str]) -> WarmProcess | None:
+        """A worker forked from the warm process, or None to start it cold."""
+        argv = worker_argv(args)
+        if argv is None:
+            return None
+        with self.lock:
+            while self.state is None and not self.gone:
+                self._pump(None)
+            if self.state is None or self.state[0] == "cold":
+                if not self.told:
+                    why = self.state[1] if self.state else "the warm process ended"
+                    print(f"launcher: workers start cold: {why} (docs/launching.md: the warm "
+                          "start)", file=sys.stderr, flush=True)  # fmt: skip
+                    self.told = True
+                return None
+            if self.state[0] == "failed":
+                raise WarmStartError(self.state[1])
+            _send(self.sock, ("spawn", argv, env))
+            while not self.replies and not self.gone:
+                self._pump(None)
+            if not self.replies:
+                return None
+            kind, value = self.replies.pop(0)
+        if kind != "pid":
+            raise OSError(f"the warm start could not fork a worker: {value}")
+        return WarmProcess(self, int(value), list(args))
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        """The exit code of worker `pid` once known (waiting up to `timeout` seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            self._pump(0)
+            while pid not in self.exits and not self.gone:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._pump(0.1 if left is None else min(left, 0.1))
+            if pid not in self.exits and self.gone and not os.path.exists(f"/proc/{pid}"):
+                self.exits[pid] = 1  # the warm process died first: the code is lost
+            if pid in self.exits and not self.gone:
+                with contextlib.suppress(OSError):  # seen: the zombie may go, as Popen's
+                    _send(self.sock, ("reap", pid))  # poll() reaps its child
+            return self.exits.get(pid)
+
+    def _pump(self, timeout: float | None) -> None:
+        """Read the messages that arrive within `timeout` (None: wait for one)."""
+        while not self.gone and select.select([self.sock], [], [], timeout)[0]:
+            message = _receive(self.sock)
+            if message is None:
+                self.gone = True
+            elif message[0] == "exit":
+                self.exits[message[1]] = message[2]
+            elif message[0] in ("pid", "error"):
+                self.replies.append(message)
+            else:
+                self.state = message
+            timeout = 0
+
+    def close(self) -> None:
+        """End the warm process (workers it forked and that still run are left to the agent)."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class WarmProcess:
+    """The parts of `subprocess.Popen` torchrun's agent uses, for a worker the zygote forked."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.returncode(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.returncode(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# --- the zygote -------------------------------------------------------------------------------
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+
+
+def preload(target: Sequence[str]) -> tuple:
+    """Import the entry point and its WARM_IMPORTS: ("ready",), ("cold", why) or ("failed",
+    line). `target`: ["-m", module] or [script] (a script is not imported: its top level runs)."""
+    import importlib
+
+    names = ["torch"]
+    if target[0] == "-m":
+        names.append(target[1])
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+            if name == target[-1]:  # runpy runs it anew as __main__: no second copy
+                forget(name)
+        except BaseException as err:  # any failure of the import is the one line
+            what = f"{type(err).__name__}: {err}".splitlines()[0]
+            return ("failed", f"error: the entry point's module {name} cannot be imported "
+                              f"({what}); run `python -m {name}` to see the traceback")  # fmt: skip
+        names += [n for n in getattr(module, "WARM_IMPORTS", ()) if n not in names]
+        if threading.active_count() > 1 or _threads() > 1:
+            return ("cold", f"importing {name} started a thread")
+    torch = sys.modules["torch"]
+    if torch.cuda.is_initialized():
+        return ("cold", "an import initialised CUDA")
+    return ("ready",)
+
+
+def forget(name: str) -> None:
+    """Take module `name` out of sys.modules and its package (what it imported stays)."""
+    del sys.modules[name]
+    parent, _, child = name.rpartition(".")
+    if parent and hasattr(sys.modules.get(parent), child):
+        delattr(sys.modules[parent], child)
+
+
+def serve(fd: int, target: Sequence[str]) -> None:
+    """The zygote's loop: preload, then fork a worker per request and report how each ended."""
+    for sig in HELD:
+        signal.signal(sig, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    before = dict(os.environ)
+    state = preload(target)
+    # What the imports set in the environment, a cold worker's imports set after torchrun's.
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    _send(sock, state)
+    running: set[int] = set()  # workers not yet reported as ended
+    while state[0] == "ready":
+        readable = select.select([sock], [], [], 0.05)[0]
+        for pid in list(running):
+            code = ended(pid)
+            if code is not None:
+                running.discard(pid)
+                _send(sock, ("exit", pid, code))
+        if readable:
+            message = _receive(sock)
+            if message is None:
+                break  # the agent is gone or done
+            if message[0] == "reap":
+                os.waitpid(message[1], 0)
+                continue
+            try:
+                pid = fork_worker(sock, message[1], {**message[2], **set_by_imports})
+                running.add(pid)
+                _send(sock, ("pid", pid))
+            except OSError as err:
+                _send(sock, ("error", str(err)))
+    os._exit(0)  # nothing of the zygote's own exit (its atexit handlers) is the job's
+
+
+def ended(pid: int) -> int | None:
+    """How worker `pid` ended (its code, or minus the signal that killed it), or None while it
+    runs. It stays a zombie until the agent has seen the code ("reap"), as a Popen child does
+    until its poll(): the agent may still signal its process group meanwhile."""
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def fork_worker(sock: socket.socket, argv: list[str], env: dict[str, str]) -> int:
+    """Fork one worker; returns its pid once it leads a session of its own."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(ready_r)
+            sock.close()
+            os.setsid()
+            os.close(ready_w)  # the zygote may report the pid: its group exists
+            code = run_worker(argv, env)
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # EOF once the child has its session (or has died)
+    os.close(ready_r)
+    return pid
+
+
+def run_worker(argv: list[str], env: dict[str, str]) -> int:
+    """In the forked child: become the worker torchrun asked for, run it, return its code."""
+    import runpy
+    import traceback
+
+    for sig in HELD:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    _read_env_again()
+    sys.orig_argv = [sys.executable, "-u", *argv]
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as err:
+        code = _exit_code(err.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _shutdown()
+    return code
+
+
+def _exit_code(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _shutdown() -> None:
+    """The interpreter's own exit steps: wait for non-daemon threads, run atexit, flush."""
+    import atexit
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+def _read_env_again() -> None:
+    """Values read from the environment at import time, read again with this worker's (a cold
+    worker's imports read them with its RANK)."""
+    fabric = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if fabric is not None:
+        fabric.rank_zero_only.rank = fabric._get_rank() or 0
+    metrics = sys.modules.get("torchmetrics.utilities.prints")
+    if metrics is not None and (
+        fabric is None or metrics.rank_zero_only is not fabric.rank_zero_only
+    ):
+        metrics.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # a fresh process's global numpy state is drawn anew, not inherited
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2:])
