@@ -418,3 +418,38 @@ def on_compile(start: Callable[[Any], None], end: Callable[[Any], None]) -> None
     if handler is not None and start not in handler.start_callbacks:
         handler.register_start_callback(start)
         handler.register_end_callback(end)
+
+
+def interpreter_exit() -> None:
+    """What the interpreter does at exit before its teardown, for a forked warm worker that
+    ends with os._exit (engine/launch/warm.py): join non-daemon threads, run atexit, flush."""
+    import atexit
+    import contextlib
+    import sys
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+def reread_import_time_env() -> None:
+    """Values Lightning and torchmetrics read from the environment as they load (the rank of
+    rank_zero_only), read again in a warm worker, which inherited them from a process with
+    no RANK; and numpy's global random state drawn anew, as a fresh process's is."""
+    import os
+    import sys
+
+    fabric = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if fabric is not None:
+        fabric.rank_zero_only.rank = fabric._get_rank() or 0
+    metrics = sys.modules.get("torchmetrics.utilities.prints")
+    if metrics is not None and (
+        fabric is None or metrics.rank_zero_only is not fabric.rank_zero_only
+    ):
+        metrics.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()

@@ -321,12 +321,14 @@ def run_worker(argv: list[str], env: dict[str, str]) -> int:
     import runpy
     import traceback
 
+    from project.engine.private_api import interpreter_exit, reread_import_time_env
+
     for sig in HELD:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(env)
-    _read_env_again()
+    reread_import_time_env()
     sys.orig_argv = [sys.executable, "-u", *argv]
     code = 0
     try:
@@ -341,13 +343,13 @@ def run_worker(argv: list[str], env: dict[str, str]) -> int:
         code = _exit_code(err.code)
     except KeyboardInterrupt:
         traceback.print_exc()
-        _shutdown()
+        interpreter_exit()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
-    _shutdown()
+    interpreter_exit()
     return code
 
 
@@ -358,33 +360,6 @@ def _exit_code(value: Any) -> int:
         return value & 0xFF
     print(value, file=sys.stderr)
     return 1
-
-
-def _shutdown() -> None:
-    """The interpreter's own exit steps: wait for non-daemon threads, run atexit, flush."""
-    import atexit
-
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-
-
-def _read_env_again() -> None:
-    """Values read from the environment at import time, read again with this worker's (a cold
-    worker's imports read them with its RANK)."""
-    fabric = sys.modules.get("lightning.fabric.utilities.rank_zero")
-    if fabric is not None:
-        fabric.rank_zero_only.rank = fabric._get_rank() or 0
-    metrics = sys.modules.get("torchmetrics.utilities.prints")
-    if metrics is not None and (
-        fabric is None or metrics.rank_zero_only is not fabric.rank_zero_only
-    ):
-        metrics.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # a fresh process's global numpy state is drawn anew, not inherited
 
 
 if __name__ == "__main__":
