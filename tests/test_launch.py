@@ -70,7 +70,9 @@ def test_torchrun_losses_identical_on_rerun(torchrun_runs) -> None:
     """The same command twice: the workers forked from the launcher's warm process (attempt
     0) and started as new processes (attempt 1) train bitwise alike."""
     first, second = (torchrun_runs(attempt=i) for i in (0, 1))
-    assert "workers start cold" not in first.out
+    for run, how in ((first, "forked warm"), (second, "started cold")):  # the exit check's
+        starts = sorted(ln for ln in run.out.splitlines() if ln.startswith("start check:"))
+        assert starts == [f"start check: rank {r} {how}" for r in (0, 1)], run.out[-2000:]
     assert len(step_losses(first.dir)) >= 20 and step_losses(first.dir) == step_losses(second.dir)
     assert_same_weights(first.dir, second.dir)
 
@@ -409,6 +411,12 @@ if __name__ == "__main__":
     own = os.getsid(0) == os.getpid()
     print(f"rank {os.environ['RANK']}: preloaded={PRELOADED} own_session={own} "
           f"zero_only_rank={rank_zero_only.rank} argv={sys.argv[1:]} parent={parent}", flush=True)
+    if os.environ["RANK"] == "1" and sys.argv[1] == "raise":  # what the interpreter's exit does
+        import atexit, threading, time
+        atexit.register(print, "atexit ran", flush=True)
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
+        open(sys.argv[2], "w").write("flushed at exit")  # never closed: flushed as it goes
+        raise ValueError("boom")
     sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
 """
 
@@ -422,21 +430,30 @@ def probe_job(tmp_path: Path, module: str, *args: str, **env: str) -> tuple[int,
 
 def test_warm_workers_are_forked_and_end_as_cold_ones_do(tmp_path) -> None:
     """Each worker is forked from the launcher's warm process (torch imported before its
-    module) into a session of its own, with its rank read again; its exit code is the job's
-    as a cold worker's is (2: bad input; 3: one line naming the rank, exit 1)."""
+    module) into a session of its own, with its rank read again; it ends as a cold worker does
+    (2: bad input; 3: one line naming the rank, exit 1; an uncaught exception: its traceback,
+    non-daemon threads joined, atexit handlers run, unclosed files flushed, exit 1)."""
     (tmp_path / "warm_probe.py").write_text(WARM_PROBE)
-    for warm, code, job_code in (("1", "2", 2), ("0", "2", 2), ("1", "3", 1)):
-        ended, out = probe_job(tmp_path, "warm_probe", code, PROJECT_WARM_START=warm)
+    left = str(tmp_path / "left.txt")
+    cases = [("1", ["2"], 2), ("0", ["2"], 2), ("1", ["3"], 1), ("1", ["raise", left], 1),
+             ("0", ["raise", left], 1)]  # fmt: skip
+    for warm, args, job_code in cases:
+        ended, out = probe_job(tmp_path, "warm_probe", *args, PROJECT_WARM_START=warm)
         assert ended == job_code, out
         lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
         assert len(lines) == 2, out
         for rank, line in enumerate(lines):
-            assert f"own_session=True zero_only_rank={rank} argv=['{code}']" in line, line
+            assert f"own_session=True zero_only_rank={rank} argv={args}" in line, line
             assert f"preloaded={warm == '1'}" in line, line
             parent = "project.engine.launch.warm" if warm == "1" else "project.launcher"
             assert parent in line.split("parent=")[1], line
-        if job_code == 1:
+        if args[0] == "3":
             assert "error: rank 1" in out and "exited with code 3" in out, out
+        if args[0] == "raise":  # the traceback, threads joined, atexit run, files flushed
+            assert "exited with code 1" in out and "ValueError: boom" in out, out
+            assert "thread joined" in out and "atexit ran" in out, out
+            assert Path(left).read_text() == "flushed at exit"
+            Path(left).unlink()
 
 
 def test_an_entry_point_that_cannot_be_imported_is_one_line(tmp_path) -> None:

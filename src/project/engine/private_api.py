@@ -59,14 +59,12 @@ USED = (
         "_ChildProcessObserver._terminate_all",
     ),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier"),
-    # The launcher's warm start (engine/launch/warm.py): the agent's Popen, and what a forked
-    # worker reads again or runs as the interpreter would at its exit.
+    # The launcher's warm start (engine/launch/warm.py): the agent's Popen, and the rank a
+    # forked worker reads again.
     (HANDLER, "SubprocessHandler._popen"),
     (HANDLER, "SubprocessHandler._stdout"),
     (HANDLER, "SubprocessHandler._stderr"),
     ("lightning.fabric.utilities.rank_zero", "_get_rank"),
-    ("threading", "_shutdown"),
-    ("atexit", "_run_exitfuncs"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._rendezvous"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._restart_workers"),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier_timeout"),
@@ -418,21 +416,6 @@ def on_compile(start: Callable[[Any], None], end: Callable[[Any], None]) -> None
     if handler is not None and start not in handler.start_callbacks:
         handler.register_start_callback(start)
         handler.register_end_callback(end)
-
-
-def interpreter_exit() -> None:
-    """What the interpreter does at exit before its teardown, for a forked warm worker that
-    ends with os._exit (engine/launch/warm.py): join non-daemon threads, run atexit, flush."""
-    import atexit
-    import contextlib
-    import sys
-    import threading
-
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
 
 
 def reread_import_time_env() -> None:

@@ -38,13 +38,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 WARM_ENV = "PROJECT_WARM_START"  # "0": every worker starts as a new Python process
 # Signals the zygote ignores (it ends when the agent closes its socket, after its workers:
 # their exit codes go through it); each worker gets the defaults back.
-HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+        signal.SIGUSR2)  # fmt: skip
 _HEADER = struct.Struct("!I")
 
 
@@ -60,7 +61,8 @@ def _send(sock: socket.socket, message: tuple) -> None:
 def _receive(sock: socket.socket) -> tuple | None:
     """One message, or None once the other end has closed."""
     head = _read_exactly(sock, _HEADER.size)
-    return None if head is None else pickle.loads(_read_exactly(sock, _HEADER.unpack(head)[0]))
+    body = None if head is None else _read_exactly(sock, _HEADER.unpack(head)[0])
+    return None if body is None else pickle.loads(body)
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
@@ -132,9 +134,10 @@ class Zygote:
                 return None
             if self.state[0] == "failed":
                 raise WarmStartError(self.state[1])
-            _send(self.sock, ("spawn", argv, env))
-            while not self.replies and not self.gone:
-                self._pump(None)
+            with _signals_held():  # torchrun's handler raises: never between fork and reply
+                _send(self.sock, ("spawn", argv, env))
+                while not self.replies and not self.gone:
+                    self._pump(None)
             if not self.replies:
                 return None
             kind, value = self.replies.pop(0)
@@ -152,17 +155,19 @@ class Zygote:
                 if left is not None and left <= 0:
                     break
                 self._pump(0.1 if left is None else min(left, 0.1))
-            if pid not in self.exits and self.gone and not os.path.exists(f"/proc/{pid}"):
-                self.exits[pid] = 1  # the warm process died first: the code is lost
-            if pid in self.exits and not self.gone:
+            if pid not in self.exits and self.gone:
+                self.exits[pid] = 1  # the warm process died: a failure of the worker group
+            code = self.exits.pop(pid, None)  # delivered once: a reused pid starts afresh
+            if code is not None and not self.gone:
                 with contextlib.suppress(OSError):  # seen: the zombie may go, as Popen's
                     _send(self.sock, ("reap", pid))  # poll() reaps its child
-            return self.exits.get(pid)
+            return code
 
     def _pump(self, timeout: float | None) -> None:
         """Read the messages that arrive within `timeout` (None: wait for one)."""
         while not self.gone and select.select([self.sock], [], [], timeout)[0]:
-            message = _receive(self.sock)
+            with _signals_held():  # a signal's exception mid-message would desync the stream
+                message = _receive(self.sock)
             if message is None:
                 self.gone = True
             elif message[0] == "exit":
@@ -181,6 +186,16 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Signals arrive after the block (torchrun's handlers raise wherever they land)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class WarmProcess:
@@ -219,29 +234,45 @@ def _threads() -> int:
 
 
 def preload(target: Sequence[str]) -> tuple:
-    """Import the entry point and its WARM_IMPORTS: ("ready",), ("cold", why) or ("failed",
-    line). `target`: ["-m", module] or [script] (a script is not imported: its top level runs)."""
+    """Import the entry point, torch and the entry point's WARM_IMPORTS, in that order (the
+    entry point may set what torch reads as it loads): ("ready",), ("cold", why) or
+    ("failed", line). `target`: ["-m", module] or [script] (a script is not imported: its
+    top level would run). A module that cannot be found, or imports one that cannot, is the
+    job's one line; any other error at import (it may need the rank's environment, which
+    this process lacks) starts the workers cold."""
     import importlib
 
-    names = ["torch"]
-    if target[0] == "-m":
-        names.append(target[1])
+    names = [target[1]] if target[0] == "-m" else []
+    names.append("torch")
     for name in names:
         try:
             module = importlib.import_module(name)
-            if name == target[-1]:  # runpy runs it anew as __main__: no second copy
-                forget(name)
-        except BaseException as err:  # any failure of the import is the one line
-            what = f"{type(err).__name__}: {err}".splitlines()[0]
+        except ImportError as err:
+            if name not in names[: names.index("torch")]:
+                return ("cold", f"importing {name} failed ({type(err).__name__})")
             return ("failed", f"error: the entry point's module {name} cannot be imported "
-                              f"({what}); run `python -m {name}` to see the traceback")  # fmt: skip
+                              f"({type(err).__name__}: {err}); run `python -m {name}` to see "
+                              "the traceback")  # fmt: skip
+        except BaseException as err:
+            return ("cold", f"importing {name} raised {type(err).__name__}")
+        if name == target[-1] and not hasattr(module, "__path__"):
+            forget(name)  # runpy runs it anew as __main__: no second copy
         names += [n for n in getattr(module, "WARM_IMPORTS", ()) if n not in names]
         if threading.active_count() > 1 or _threads() > 1:
             return ("cold", f"importing {name} started a thread")
-    torch = sys.modules["torch"]
-    if torch.cuda.is_initialized():
+    if sys.modules["torch"].cuda.is_initialized() or _cuda_driver_loaded():
         return ("cold", "an import initialised CUDA")
     return ("ready",)
+
+
+def _cuda_driver_loaded() -> bool:
+    """CUDA's driver library is loaded (torch.cuda.is_available() loads it without torch's
+    own CUDA state): a fork would share its state."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libcuda.so" in maps.read()
+    except OSError:
+        return False
 
 
 def forget(name: str) -> None:
@@ -253,36 +284,42 @@ def forget(name: str) -> None:
 
 
 def serve(fd: int, target: Sequence[str]) -> None:
-    """The zygote's loop: preload, then fork a worker per request and report how each ended."""
+    """The zygote's loop: preload, then fork a worker per request and report how each ended.
+    A forked worker leaves this function only as the interpreter ends (SystemExit)."""
     for sig in HELD:
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     before = dict(os.environ)
     state = preload(target)
-    # What the imports set in the environment, a cold worker's imports set after torchrun's.
+    # What the imports set in the environment, a cold worker's imports set too (where the
+    # worker's environment does not say otherwise).
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    _send(sock, state)
     running: set[int] = set()  # workers not yet reported as ended
-    while state[0] == "ready":
-        readable = select.select([sock], [], [], 0.05)[0]
-        for pid in list(running):
-            code = ended(pid)
-            if code is not None:
-                running.discard(pid)
-                _send(sock, ("exit", pid, code))
-        if readable:
-            message = _receive(sock)
+    reported: set[int] = set()  # ended, reported, not yet reaped
+    with contextlib.suppress(OSError):  # the agent gone: nothing to report to
+        _send(sock, state)
+        while state[0] == "ready":
+            readable = select.select([sock], [], [], 0.05)[0]
+            for pid in list(running):
+                code = ended(pid)
+                if code is not None:
+                    running.discard(pid)
+                    reported.add(pid)
+                    _send(sock, ("exit", pid, code))
+            message = _receive(sock) if readable else ("idle",)
             if message is None:
                 break  # the agent is gone or done
-            if message[0] == "reap":
-                os.waitpid(message[1], 0)
-                continue
-            try:
-                pid = fork_worker(sock, message[1], {**message[2], **set_by_imports})
+            if message[0] == "reap" and message[1] in reported:
+                reported.discard(message[1])
+                os.waitpid(message[1], os.WNOHANG)
+            elif message[0] == "spawn":
+                try:
+                    pid = fork_worker(sock, message[1], {**set_by_imports, **message[2]})
+                except OSError as err:
+                    _send(sock, ("error", str(err)))
+                    continue
                 running.add(pid)
                 _send(sock, ("pid", pid))
-            except OSError as err:
-                _send(sock, ("error", str(err)))
     os._exit(0)  # nothing of the zygote's own exit (its atexit handlers) is the job's
 
 
@@ -297,40 +334,42 @@ def ended(pid: int) -> int | None:
 
 
 def fork_worker(sock: socket.socket, argv: list[str], env: dict[str, str]) -> int:
-    """Fork one worker; returns its pid once it leads a session of its own."""
+    """Fork one worker; returns its pid once it leads a session of its own with the default
+    signal handlers (from then on the agent may signal it). The worker itself never returns:
+    it ends as `python -u <argv>` would (run_worker)."""
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 1
         try:
             os.close(ready_r)
             sock.close()
             os.setsid()
-            os.close(ready_w)  # the zygote may report the pid: its group exists
-            code = run_worker(argv, env)
-        finally:
-            os._exit(code)
+            for sig in HELD:  # as exec gives a cold worker: the agent handles every one of them
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.close(ready_w)
+        except BaseException:
+            os._exit(1)
+        run_worker(argv, env)
     os.close(ready_w)
-    os.read(ready_r, 1)  # EOF once the child has its session (or has died)
+    os.read(ready_r, 1)  # EOF once the child is ready (or has died)
     os.close(ready_r)
     return pid
 
 
-def run_worker(argv: list[str], env: dict[str, str]) -> int:
-    """In the forked child: become the worker torchrun asked for, run it, return its code."""
+def run_worker(argv: list[str], env: dict[str, str]) -> None:
+    """In the forked child: become the worker torchrun asked for and run it. It ends by
+    SystemExit (its own, or 0, or 1 after printing an uncaught exception as the interpreter
+    does) or KeyboardInterrupt, which leave through serve(): the interpreter's normal exit
+    (threads joined, atexit, finalizers, flushed files) gives the exit code."""
     import runpy
-    import traceback
 
-    from project.engine.private_api import interpreter_exit, reread_import_time_env
+    from project.engine.private_api import reread_import_time_env
 
-    for sig in HELD:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(env)
     reread_import_time_env()
     sys.orig_argv = [sys.executable, "-u", *argv]
-    code = 0
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
@@ -339,27 +378,12 @@ def run_worker(argv: list[str], env: dict[str, str]) -> int:
             sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as err:
-        code = _exit_code(err.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        interpreter_exit()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
+    except (SystemExit, KeyboardInterrupt):
+        raise
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        code = 1
-    interpreter_exit()
-    return code
-
-
-def _exit_code(value: Any) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    print(value, file=sys.stderr)
-    return 1
+        raise SystemExit(1) from None
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":
