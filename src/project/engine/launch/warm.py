@@ -125,15 +125,16 @@ class Zygote:
         with self.lock:
             while self.state is None and not self.gone:
                 self._pump(None)
-            if self.state is None or self.state[0] == "cold":
+            if self.state is not None and self.state[0] == "failed":
+                raise WarmStartError(self.state[1])
+            if self.state is None or self.state[0] == "cold" or self.gone:
                 if not self.told:
-                    why = self.state[1] if self.state else "the warm process ended"
+                    cold = self.state is not None and self.state[0] == "cold"
+                    why = self.state[1] if cold else "the warm process ended"
                     print(f"launcher: workers start cold: {why} (docs/launching.md: the warm "
                           "start)", file=sys.stderr, flush=True)  # fmt: skip
                     self.told = True
                 return None
-            if self.state[0] == "failed":
-                raise WarmStartError(self.state[1])
             with _signals_held():  # torchrun's handler raises: never between fork and reply
                 _send(self.sock, ("spawn", argv, env))
                 while not self.replies and not self.gone:
@@ -166,8 +167,11 @@ class Zygote:
     def _pump(self, timeout: float | None) -> None:
         """Read the messages that arrive within `timeout` (None: wait for one)."""
         while not self.gone and select.select([self.sock], [], [], timeout)[0]:
-            with _signals_held():  # a signal's exception mid-message would desync the stream
-                message = _receive(self.sock)
+            try:
+                with _signals_held():  # a signal's exception mid-message would desync it
+                    message = _receive(self.sock)
+            except (OSError, EOFError, pickle.UnpicklingError, struct.error):
+                message = None  # unreadable from here on: as if the warm process had ended
             if message is None:
                 self.gone = True
             elif message[0] == "exit":
