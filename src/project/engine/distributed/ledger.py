@@ -90,8 +90,16 @@ def job_start() -> float:
     return min(process_start(), time.time())  # /proc's boot time is whole seconds
 
 
+# Set by the launcher's warm start in a worker of the job's first attempt: when the process
+# that imported everything for it started (the worker itself is forked from it much later).
+STARTED_ENV = "PROJECT_WORKER_STARTED"
+
+
 def process_start() -> float:
-    """When this process started (wall clock)."""
+    """When this process started (wall clock), or the warm process it was forked from."""
+    if STARTED_ENV in os.environ:
+        with contextlib.suppress(ValueError):
+            return float(os.environ[STARTED_ENV])
     with contextlib.suppress(OSError, ValueError, IndexError):
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()

@@ -290,9 +290,14 @@ def forget(name: str) -> None:
 def serve(fd: int, target: Sequence[str]) -> None:
     """The zygote's loop: preload, then fork a worker per request and report how each ended.
     A forked worker leaves this function only as the interpreter ends (SystemExit)."""
+    from project.engine.distributed.ledger import STARTED_ENV, process_start
+
     for sig in HELD:
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
+    # A first attempt's workers started when this process did (goodput's start-up: the
+    # imports are theirs); a restart's, when forked.
+    started = {STARTED_ENV: repr(process_start())}
     before = dict(os.environ)
     state = preload(target)
     # What the imports set in the environment, a cold worker's imports set too (where the
@@ -318,7 +323,10 @@ def serve(fd: int, target: Sequence[str]) -> None:
                 os.waitpid(message[1], os.WNOHANG)
             elif message[0] == "spawn":
                 try:
-                    pid = fork_worker(sock, message[1], {**set_by_imports, **message[2]})
+                    env = {**set_by_imports, **message[2]}
+                    if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                        env.update(started)
+                    pid = fork_worker(sock, message[1], env)
                 except OSError as err:
                     _send(sock, ("error", str(err)))
                     continue
