@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from project.engine.launch.warm import STARTED_ENV
+
 # Phases, in the order a step goes through them (ids are stored in the file).
 STARTUP, RELOAD, STEP, OPTIMIZER, STOP_CHECK, CHECKPOINT, VALIDATION = range(7)
 EPOCH_END, FAULT, TEST, DETECTION, FINISHED = range(7, 12)
@@ -88,11 +90,6 @@ def job_start() -> float:
         return time.time()
     _first_job[0] = False
     return min(process_start(), time.time())  # /proc's boot time is whole seconds
-
-
-# Set by the launcher's warm start in a worker of the job's first attempt: when the process
-# that imported everything for it started (the worker itself is forked from it much later).
-STARTED_ENV = "PROJECT_WORKER_STARTED"
 
 
 def process_start() -> float:

@@ -42,6 +42,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 WARM_ENV = "PROJECT_WARM_START"  # "0": every worker starts as a new Python process
+# When a worker of the job's first attempt started, as goodput counts it (distributed.ledger):
+# when the warm process that imported everything for it started; a restart's, its fork.
+STARTED_ENV = "PROJECT_WORKER_STARTED"
 # Signals the zygote ignores (it ends when the agent closes its socket, after its workers:
 # their exit codes go through it); each worker gets the defaults back.
 HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -106,6 +109,7 @@ class Zygote:
 
     def __init__(self, target: Sequence[str], env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair()
+        self.started = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "-m", __name__, str(theirs.fileno()), *target],
             env=env, pass_fds=(theirs.fileno(),),
@@ -135,6 +139,8 @@ class Zygote:
                           "start)", file=sys.stderr, flush=True)  # fmt: skip
                     self.told = True
                 return None
+            if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                env = {**env, STARTED_ENV: repr(self.started)}
             with _signals_held():  # torchrun's handler raises: never between fork and reply
                 _send(self.sock, ("spawn", argv, env))
                 while not self.replies and not self.gone:
@@ -290,14 +296,9 @@ def forget(name: str) -> None:
 def serve(fd: int, target: Sequence[str]) -> None:
     """The zygote's loop: preload, then fork a worker per request and report how each ended.
     A forked worker leaves this function only as the interpreter ends (SystemExit)."""
-    from project.engine.distributed.ledger import STARTED_ENV, process_start
-
     for sig in HELD:
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    # A first attempt's workers started when this process did (goodput's start-up: the
-    # imports are theirs); a restart's, when forked.
-    started = {STARTED_ENV: repr(process_start())}
     before = dict(os.environ)
     state = preload(target)
     # What the imports set in the environment, a cold worker's imports set too (where the
@@ -324,8 +325,6 @@ def serve(fd: int, target: Sequence[str]) -> None:
             elif message[0] == "spawn":
                 try:
                     env = {**set_by_imports, **message[2]}
-                    if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                        env.update(started)
                     pid = fork_worker(sock, message[1], env)
                 except OSError as err:
                     _send(sock, ("error", str(err)))
