@@ -421,7 +421,7 @@ def on_compile(start: Callable[[Any], None], end: Callable[[Any], None]) -> None
 def reread_import_time_env() -> None:
     """Values Lightning and torchmetrics read from the environment as they load (the rank of
     rank_zero_only), read again in a warm worker, which inherited them from a process with
-    no RANK; and numpy's global random state drawn anew, as a fresh process's is."""
+    no RANK."""
     import os
     import sys
 
@@ -433,6 +433,3 @@ def reread_import_time_env() -> None:
         fabric is None or metrics.rank_zero_only is not fabric.rank_zero_only
     ):
         metrics.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()

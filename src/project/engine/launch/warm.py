@@ -162,9 +162,8 @@ class Zygote:
                 if left is not None and left <= 0:
                     break
                 self._pump(0.1 if left is None else min(left, 0.1))
-            if pid not in self.exits and self.gone:
-                self.exits[pid] = 1  # the warm process died: a failure of the worker group
-            code = self.exits.pop(pid, None)  # delivered once: a reused pid starts afresh
+            # delivered once (a reused pid starts afresh); the warm process dead: a failure
+            code = self.exits.pop(pid, 1 if self.gone else None)
             if code is not None and not self.gone:
                 with contextlib.suppress(OSError):  # seen: the zombie may go, as Popen's
                     _send(self.sock, ("reap", pid))  # poll() reaps its child
@@ -252,20 +251,20 @@ def preload(target: Sequence[str]) -> tuple:
     this process lacks) starts the workers cold."""
     import importlib
 
-    names = [target[1]] if target[0] == "-m" else []
-    names.append("torch")
+    entry = target[1] if target[0] == "-m" else None
+    names = [entry, "torch"] if entry else ["torch"]
     for name in names:
         try:
             module = importlib.import_module(name)
         except ImportError as err:
-            if name not in names[: names.index("torch")]:
+            if name != entry:
                 return ("cold", f"importing {name} failed ({type(err).__name__})")
             return ("failed", f"error: the entry point's module {name} cannot be imported "
                               f"({type(err).__name__}: {err}); run `python -m {name}` to see "
                               "the traceback")  # fmt: skip
         except BaseException as err:
             return ("cold", f"importing {name} raised {type(err).__name__}")
-        if name == target[-1] and not hasattr(module, "__path__"):
+        if name == entry and not hasattr(module, "__path__"):
             forget(name)  # runpy runs it anew as __main__: no second copy
         names += [n for n in getattr(module, "WARM_IMPORTS", ()) if n not in names]
         if threading.active_count() > 1 or _threads() > 1:
@@ -316,7 +315,9 @@ def serve(fd: int, target: Sequence[str]) -> None:
                     running.discard(pid)
                     reported.add(pid)
                     _send(sock, ("exit", pid, code))
-            message = _receive(sock) if readable else ("idle",)
+            if not readable:
+                continue
+            message = _receive(sock)
             if message is None:
                 break  # the agent is gone or done
             if message[0] == "reap" and message[1] in reported:
@@ -380,6 +381,9 @@ def run_worker(argv: list[str], env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     reread_import_time_env()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # drawn anew, as a fresh process's global state is
     sys.orig_argv = [sys.executable, "-u", *argv]
     try:
         if argv[0] == "-m":
