@@ -322,6 +322,7 @@ def serve(fd: int, target: Sequence[str]) -> None:
                 break  # the agent is gone or done
             if message[0] == "reap" and message[1] in reported:
                 reported.discard(message[1])
+                end_leftovers(message[1])
                 os.waitpid(message[1], os.WNOHANG)
             elif message[0] == "spawn":
                 try:
@@ -343,6 +344,16 @@ def ended(pid: int) -> int | None:
     if info is None or info.si_pid == 0:
         return None
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def end_leftovers(pid: int) -> None:
+    """A worker that failed: SIGKILL what it left in its process group (its DataLoader fork
+    server and workers, a stuck subprocess) before a restart forks the next set. A cold
+    worker's leftovers end on their own within seconds; a warm restart is quicker than that.
+    Safe from a reused pid: the worker is still this process's zombie, its number held."""
+    if ended(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def fork_worker(sock: socket.socket, argv: list[str], env: dict[str, str]) -> int:
