@@ -115,7 +115,15 @@ DISTRIBUTED_TIMEOUT_S = 300  # a 2-process test here takes well under a minute
 # Module/session fixtures that train or set up something expensive. `make test` runs tests
 # in parallel (pytest-xdist, --dist loadgroup): the tests sharing one of them go to the same
 # worker, so it is built once, and the SLURM tests never queue behind each other's jobs.
-SHARED_RUNS = ("default_run", "torchrun_runs", "finished_runs", "generated", "slurm")
+SHARED_RUNS = (
+    "default_run",
+    "torchrun_runs",
+    "finished_runs",
+    "generated",
+    "slurm",
+    "fsdp_whole",
+    "fsdp_stopped",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

@@ -9,7 +9,9 @@ from __future__ import annotations
 import collections
 import json
 import re
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from subprocess import Popen
 
@@ -305,6 +307,28 @@ def job(
     return start(cmd, RUN_ID=run_id, **env)
 
 
+# The stopped runs below continue to the end of this run (the CNN has dropout), bitwise.
+CNN_WHOLE = [*SHARDED, "model=cnn", "trainer.max_epochs=2"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_whole(tmp_path_factory, data_dir) -> Callable[[str], Path]:
+    """module -> the run folder of CNN_WHOLE on 2 processes, never stopped: trained once per
+    trainer for the tests that end where it ends (the local and the S3 resume)."""
+    done: dict[str, Path] = {}
+
+    def run(module: str) -> Path:
+        if module not in done:
+            log_dir = tmp_path_factory.mktemp("fsdp-whole") / "logs"
+            args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *CNN_WHOLE]
+            code, out = finish(job(args, "whole", module=module), 300)
+            assert code == 0, out[-3000:]
+            done[module] = log_dir / "train" / "runs" / "whole"
+        return done[module]
+
+    return run
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "module",
@@ -313,18 +337,17 @@ def job(
         "project.raw_train",  # feature:raw
     ],
 )
-def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, module) -> None:
+def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(
+    base_args, log_dir, fsdp_whole, module
+) -> None:
     """2 processes, strategy=fsdp: SIGTERM mid-epoch saves a sharded `last` (every rank its
     shards, a manifest); the same command again resumes it mid-epoch and ends with the final
     weights of the run that never stopped, bitwise; a third run finds it finished. The
     stopped run saves in the background (strategy.async_save): the same weights."""
-    args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=3"]
-    whole = job(args, "whole", module=module)
-    args = [*args, "strategy.async_save=true"]
+    whole = fsdp_whole(module)
+    args = [*base_args, *CNN_WHOLE, "strategy.async_save=true"]
     cut = [*args, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
-    first = job(cut, "cut", module=module)
-    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
-    assert code == 0, out[-3000:]
+    cut_code, cut_out = finish(job(cut, "cut", module=module), 300)
     assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
     runs = log_dir / "train" / "runs"
     manifest = runs / "cut" / "checkpoints" / sharded_manifest(module)
@@ -337,7 +360,7 @@ def test_a_sharded_last_resumes_a_stopped_fsdp_run_bitwise(base_args, log_dir, m
     assert not list(runs.rglob("last.pt")) + list(runs.rglob("*.ckpt"))  # nothing one-file
     code, out = finish(job(args, "cut", module=module), 300)
     assert code == 0 and "skipping" in out, out[-3000:]
-    assert_same_weights(runs / "whole", runs / "cut")
+    assert_same_weights(whole, runs / "cut")
     goodput = json.loads((runs / "cut" / "goodput.json").read_text())
     assert goodput["attempts"][-1]["buckets"]["reload"] > 0, goodput  # the shards' load, booked
     assert sharded_entries(manifest)["common"]["project"]["finished"]
@@ -366,7 +389,7 @@ def bucket_weights(url: str, manifest: str, into: Path) -> dict[str, torch.Tenso
     ],
 )
 def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
-    base_args, log_dir, tmp_path, s3, module
+    base_args, log_dir, tmp_path, s3, fsdp_whole, module
 ) -> None:
     """callbacks.fault_tolerance.dirpath=s3://... under strategy=fsdp (the Kubernetes
     object-storage recipes): every rank writes its shards to the bucket, the manifest there
@@ -377,13 +400,12 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     does from a local copy (Lightning copies the save into the run's staging, then removes it)."""
     import fsspec
 
-    args = [*base_args, *SHARDED, "model=cnn", "trainer.max_epochs=2"]
+    whole = fsdp_whole(module)
+    args = [*base_args, *CNN_WHOLE]
     url, manifest = f"{s3}/run", sharded_manifest(module)
     remote = [*args, f"callbacks.fault_tolerance.dirpath={url}"]
     cut = [*remote, "fault_injection.at_step=13", "fault_injection.mode=sigterm"]
-    whole, first = job(args, "whole", module=module), job(cut, "cut", module=module)
-    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
-    assert code == 0, out[-3000:]
+    cut_code, cut_out = finish(job(cut, "cut", module=module), 300)
     assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
     assert f"{url}/{manifest} is saved" in cut_out, cut_out[-3000:]
     fs = fsspec.filesystem("s3")
@@ -397,10 +419,10 @@ def test_a_sharded_last_in_s3_resumes_on_another_machine_bitwise(
     assert sorted(p.rpartition("/")[2] for p in fs.ls(url, refresh=True)) == sorted(
         [end["folder"], manifest])  # fmt: skip
     runs = log_dir / "train" / "runs"
-    assert [p.parent.parent.name for p in runs.rglob(manifest)] == ["whole"]  # local: its own
+    assert not list(runs.rglob(manifest))  # no run folder of a URL dirpath holds a `last`
     assert not [p for p in runs.rglob("*") if "staging" in str(p) and p.is_file()]  # none
     assert_same_tensors(bucket_weights(url, manifest, tmp_path / "downloaded"),
-                        final_weights(runs / "whole"))  # fmt: skip
+                        final_weights(whole))  # fmt: skip
     # One process, from the URL and from a local copy of the same stopped run ("control"):
     # the global batch kept, the same steps, the same weights bitwise.
     control = runs / "control" / "checkpoints"
@@ -507,6 +529,38 @@ def test_lightning_refuses_a_sharded_last_under_ddp(base_args, log_dir) -> None:
     assert manifest.read_text() == before
 
 
+@pytest.fixture(scope="module")
+def fsdp_stopped(tmp_path_factory, data_dir) -> Callable[[str], Path]:
+    """module -> a folder where WORLD_ARGS trained on 2 processes twice, at once: run "whole"
+    never stopped (its reads tagged "whole"), run "cut" stopped by SIGTERM at step 4 (reads
+    tagged "first"). Once per trainer: the tests continuing it on 1 and on 3 processes copy
+    the stopped run folder."""
+    done: dict[str, Path] = {}
+
+    def run(module: str) -> Path:
+        if module not in done:
+            root = tmp_path_factory.mktemp("fsdp-stopped")
+            args = world_args(root, data_dir, root / "logs")
+            cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
+            whole = job(args, "whole", module=module, RECORD_TAG="whole")
+            first = job(cut, "cut", module=module, RECORD_TAG="first")
+            (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
+            assert code == 0, out[-3000:]
+            assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
+            done[module] = root
+        return done[module]
+
+    return run
+
+
+def world_args(root: Path, data_dir: Path, log_dir: Path) -> list[str]:
+    """ROWS recorded rows (data config and reads in `root`), 2 epochs, a check every step."""
+    return [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *SHARDED,
+            *recorded_data(root, ROWS), "data.batch_size=30", "trainer.max_epochs=2",
+            "trainer.num_sanity_val_steps=0",
+            "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("module", "nproc"),
@@ -518,39 +572,33 @@ def test_lightning_refuses_a_sharded_last_under_ddp(base_args, log_dir) -> None:
     ],
 )
 def test_a_sharded_last_continues_on_another_world_size(
-    base_args, tmp_path, log_dir, module, nproc
+    data_dir, log_dir, fsdp_stopped, module, nproc
 ) -> None:
-    """Each trainer, stopped in epoch 0 on 2 processes, continued on 1 or 3 in its run folder:
-    the state reshards (on 1 gathered whole, on 3 into three shards), the global batch and
-    every row of the epoch are kept once, the optimizer steps are those of the run that never
-    stopped, the final weights within float tolerance, and the `last` it writes is sharded
-    again."""
-    args = [*base_args, *SHARDED, *recorded_data(tmp_path, ROWS),
-            "data.batch_size=30", "trainer.max_epochs=2", "trainer.num_sanity_val_steps=0",
-            "callbacks.fault_tolerance.check_every_n_steps=1"]  # fmt: skip
-    cut = [*args, "fault_injection.at_step=4", "fault_injection.mode=sigterm"]
-    whole = job(args, "whole", module=module, RECORD_TAG="whole")
-    first = job(cut, "cut", module=module, RECORD_TAG="first")
-    (code, out), (cut_code, cut_out) = finish(whole, 300), finish(first, 300)
-    assert code == 0, out[-3000:]
-    assert cut_code == EXIT_PREEMPTED, cut_out[-3000:]
-    code, out = finish(job(args, "cut", nproc=nproc, module=module, RECORD_TAG="second"), 300)
+    """Each trainer, stopped in epoch 0 on 2 processes, continued on 1 or 3 in (a copy of) its
+    run folder: the state reshards (on 1 gathered whole, on 3 into three shards), the global
+    batch and every row of the epoch are kept once, the optimizer steps are those of the run
+    that never stopped, the final weights within float tolerance, and the `last` it writes is
+    sharded again."""
+    root = fsdp_stopped(module)
+    shutil.copytree(root / "logs" / "train" / "runs" / "cut", log_dir / "train" / "runs" / "cut")
+    args, tag = world_args(root, data_dir, log_dir), f"second-{nproc}"
+    code, out = finish(job(args, "cut", nproc=nproc, module=module, RECORD_TAG=tag), 300)
     assert code == 0 and "the global batch of 60 is kept" in out, out[-3000:]
     assert "Resuming epoch 0" in out, out[-3000:]
-    runs = log_dir / "train" / "runs"
+    runs, whole = log_dir / "train" / "runs", root / "logs" / "train" / "runs" / "whole"
     assert not list((runs / "cut").rglob("last.pt")) + list((runs / "cut").rglob("*.ckpt"))
-    saved = [sharded_entries(runs / r / "checkpoints" / sharded_manifest(module))
-             for r in ("cut", "whole")]  # fmt: skip
+    saved = [sharded_entries(r / "checkpoints" / sharded_manifest(module))
+             for r in (runs / "cut", whole)]  # fmt: skip
     assert saved[0]["step"] == saved[1]["step"] == 16, [e["step"] for e in saved]
     assert saved[0]["world"] == nproc, saved[0]["world"]  # written sharded by the new world
-    first_reads, second = recorded_reads(tmp_path, "first"), recorded_reads(tmp_path, "second")
+    first_reads, second = recorded_reads(root, "first"), recorded_reads(root, tag)
     assert len(second) == nproc, len(second)
     rest = [i for r in second for i in r[: -(ROWS // nproc)]]  # before epoch 1's share
     counts = collections.Counter([i for r in first_reads for i in r] + rest)
     assert set(counts) == set(range(ROWS)), sorted(set(range(ROWS)) - set(counts))[:10]
     # Twice: the batch each rank had fetched when it stopped (read, never trained).
     assert sum(counts.values()) - ROWS < 2 * 30 + 1, collections.Counter(counts.values())
-    a, b = final_weights(runs / "cut"), final_weights(runs / "whole")
+    a, b = final_weights(runs / "cut"), final_weights(whole)
     largest = max(float((a[key] - b[key]).abs().max()) for key in a)
     print(f"largest weight difference, 2 -> {nproc} processes, sharded: {largest:.1e}")
     for key in a:
