@@ -123,6 +123,7 @@ SHARED_RUNS = (
     "slurm",
     "fsdp_whole",
     "fsdp_stopped",
+    "stream_runs",
 )
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +28,16 @@ from project.engine.errors import UserError
 from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
     CHARLM,
+    QUIET,
     assert_one_line_error,
-    assert_parity,  # feature:raw
+    assert_same_training,  # feature:raw
     assert_same_weights,
     final_weights,
     finish,
     launcher,
     logged_metrics,
     run_script,
-    run_trainer,  # feature:raw
+    run_trainer,
     s3_gets,
     s3_server,
     start,
@@ -193,6 +196,52 @@ def test_another_block_size_than_the_shards_is_one_line(chars_shards: Path) -> N
         CharStream(str(chars_shards), block_size=64)
 
 
+@pytest.mark.quick
+def test_a_shard_cache_that_cannot_be_a_local_folder_is_one_line(
+    chars_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file where the cache would go used to stop the run with `FileExistsError(17, 'File
+    exists')`, naming no path; a URL made a local folder named `gs:` in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = [(str(blocker), f"cannot be made a folder (File exists: {blocker})"),
+             (f"{blocker}/cache", "cannot be made a folder (Not a directory: "),
+             ("gs://bucket/x", "is a URL, but the shards of a remote data.dataset.folder are "
+                               "cached on each node's own disk: give a local folder")]  # fmt: skip
+    for cache_dir, needle in cases:
+        with pytest.raises(UserError) as err:
+            CharStream(f"file://{chars_shards}", block_size=32, cache_dir=cache_dir)
+        assert str(err.value).startswith(f"data.dataset.cache_dir={cache_dir} "), err.value
+        assert needle in str(err.value), err.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.quick
+def test_a_gs_shard_folder_without_gcsfs_is_the_pip_install_line(monkeypatch) -> None:
+    """As for a checkpoint folder at gs:// (project.engine.checkpoints.remote), not fsspec's
+    ImportError wrapped twice in Hydra's instantiation errors."""
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # not installed (an import fails)
+    with pytest.raises(UserError) as err:
+        CharStream("gs://bucket/x", block_size=32)
+    assert str(err.value) == (
+        "the shard folder gs://bucket/x/train: fsspec cannot open gs:// URLs here (Please install "
+        "gcsfs to access Google Storage): pip install gcsfs"
+    )
+
+
+def test_a_shard_cache_on_a_file_stops_train_py_in_one_line(
+    chars_shards: Path, tmp_path: Path, base_args
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = [*base_args, *stream_args(f"file://{chars_shards}"), f"data.dataset.cache_dir={blocker}"]
+    proc = run_script("train.py", args)
+    assert_one_line_error(proc, f"data.dataset.cache_dir={blocker} cannot be made a folder",
+                          "give a local folder this user may write to")  # fmt: skip
+    assert "Error in call to target" not in proc.stderr
+
+
 def stream_args(folder: Path | str) -> list[str]:
     charlm = [a for a in CHARLM if not a.startswith("data.dataset.block_size")]
     return [*charlm, "data=chars_stream", f"data.dataset.folder={folder}",
@@ -267,13 +316,31 @@ def test_a_user_stream_over_uneven_shards_trains_on_2_ranks_x_2_workers(
 STREAM_2X2 = ["data.num_workers=2", "trainer.max_epochs=3", "step_stats=true"]
 
 
+@pytest.fixture(scope="module")
+def stream_runs(
+    chars_shards: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """module -> its run folder of STREAM_2X2 over chars_shards on 2 processes, trained once:
+    the parity test reads both trainers' runs, the S3 test and the resume test Lightning's."""
+    done: dict[str, Path] = {}
+
+    def run(module: str) -> Path:
+        if module not in done:
+            root = tmp_path_factory.mktemp("stream")
+            args = [f"paths.data_dir={data_dir}", f"paths.log_dir={root / 'logs'}", *QUIET,
+                    *stream_args(chars_shards), *STREAM_2X2]  # fmt: skip
+            run_trainer(module, args, root / "run", nproc=2)
+            done[module] = root / "run"
+        return done[module]
+
+    return run
+
+
 # feature:raw
 @pytest.mark.distributed
-def test_data_chars_stream_trains_bitwise_alike_in_both_trainers(
-    chars_shards: Path, base_args, tmp_path: Path
-) -> None:
+def test_data_chars_stream_trains_bitwise_alike_in_both_trainers(stream_runs) -> None:
     """2 processes x 2 DataLoader workers, shuffled shards: the same loss at every step."""
-    assert_parity(tmp_path, [*base_args, *stream_args(chars_shards), *STREAM_2X2], nproc=2)
+    assert_same_training(stream_runs("project.train"), stream_runs("project.raw_train"))
 
 
 @pytest.mark.slow
@@ -292,22 +359,23 @@ def test_a_stream_gets_its_epoch_without_any_callback(
 # /feature:raw
 @pytest.mark.distributed
 def test_data_chars_stream_resumes_exactly_after_a_mid_epoch_preemption(
-    chars_shards: Path, base_args, log_dir: Path
+    chars_shards: Path, base_args, log_dir: Path, stream_runs
 ) -> None:
     """Each trainer stopped mid-epoch (2 processes x 2 DataLoader workers) and rerun ends with
-    the weights of the uninterrupted run: the stream's position is (epoch, batches done),
-    nothing more, whatever the workers had read ahead."""
+    the weights of the uninterrupted run (Lightning's of stream_runs: the trainers end bitwise
+    alike; neither the test stage nor early stopping, which never stops it, changes them): the
+    stream's position is (epoch, batches done), nothing more, whatever the workers had read
+    ahead."""
     args = [*base_args, *stream_args(chars_shards), *STREAM_2X2, "test=false",
             "callbacks.early_stopping=null"]  # fmt: skip
-    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="whole"), 240)
-    assert code == 0, out[-3000:]
+    whole = stream_runs("project.train")
     for module in TRAINERS.values():
         cut = [*args, "fault_injection.at_step=17", "fault_injection.mode=sigterm"]
         code, out = finish(start(launcher(["-m", module, *cut]), RUN_ID=module), 240)
         assert code == EXIT_PREEMPTED, out[-3000:]
         code, out = finish(start(launcher(["-m", module, *args]), RUN_ID=module), 240)
         assert code == 0 and "skipping" in out, out[-3000:]
-        assert_same_weights(log_dir / "train/runs/whole", log_dir / "train/runs" / module)
+        assert_same_weights(whole, log_dir / "train/runs" / module)
 
 
 @pytest.mark.distributed
@@ -408,13 +476,13 @@ def test_a_remote_folder_is_downloaded_once_per_node_whatever_the_ranks(
 # feature:raw
 @pytest.mark.distributed
 def test_data_chars_stream_from_s3_trains_like_the_local_folder_in_both_trainers(
-    chars_shards: Path, s3: str, base_args, tmp_path: Path
+    chars_shards: Path, s3: str, base_args, tmp_path: Path, stream_runs
 ) -> None:
     """2 processes x 2 DataLoader workers, shuffled, prefetching: the shards read from an S3
     server give the local folder's loss at every step, in both trainers."""
     url = upload(chars_shards, f"{s3}/chars")
-    losses = [run_trainer("project.train", [*base_args, *stream_args(chars_shards), *STREAM_2X2],
-                          tmp_path / "local", nproc=2)["losses"]]  # fmt: skip
+    local = stream_runs("project.train") / "step_stats.json"
+    losses = [json.loads(local.read_text())["losses"]]
     for name, module in TRAINERS.items():
         args = [*base_args, *stream_args(url), *STREAM_2X2]
         losses.append(run_trainer(module, args, tmp_path / name, nproc=2)["losses"])
