@@ -12,16 +12,20 @@ import pytest
 
 from tests.helpers import (
     CONFIG_DIR,
+    POWERSGD,
     QUIET,
     STARTED,
     TORCHRUN_ARGS,
     Run,
     assert_groups_closed,
     exit_check_env,
+    finish,
     job_processes,
     kill_job,
+    launcher,
     run_launch,
     s3_server,
+    start,
 )
 
 
@@ -124,6 +128,7 @@ SHARED_RUNS = (
     "fsdp_whole",
     "fsdp_stopped",
     "stream_runs",
+    "powersgd_whole",
 )
 
 
@@ -153,6 +158,18 @@ def reap_processes() -> Iterator[None]:
             with contextlib.suppress(ValueError, subprocess.TimeoutExpired):
                 out, _ = proc.communicate(timeout=10)
                 print(f"--- killed after the test: {' '.join(proc.args)}\n{(out or '')[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def powersgd_whole(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """The run folder of POWERSGD trained to its end by Lightning on 2 processes, once per
+    session: where the PowerSGD resumes end, locally and through S3, in both trainers (they
+    train bitwise alike)."""
+    log_dir = tmp_path_factory.mktemp("powersgd") / "logs"
+    args = [f"paths.data_dir={data_dir}", f"paths.log_dir={log_dir}", *QUIET, *POWERSGD]
+    code, out = finish(start(launcher(["-m", "project.train", *args]), RUN_ID="whole"), 240)
+    assert code == 0, out[-3000:]
+    return log_dir / "train" / "runs" / "whole"
 
 
 @pytest.fixture(scope="session")

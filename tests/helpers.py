@@ -312,6 +312,12 @@ class Run:
     out: str  # what the job printed
 
 
+# PowerSGD on a 1.2 MB model (odd layer sizes: a layout's offsets are not all multiples of 16
+# bytes), 4 epochs: the resume tests' run (tests/conftest.py: powersgd_whole is its reference).
+POWERSGD = ["strategy=ddp_powersgd", "model.net.hidden=511", "trainer.max_epochs=4", "test=false",
+            "callbacks.early_stopping=null"]  # fmt: skip
+
+
 def torchrun(target: Sequence[str], nproc: int = 2) -> list[str]:
     """`python -m project.launcher --standalone --nproc-per-node=N <target>`: the command
     project.compare and sweep jobs build (project.engine.launch.torchrun)."""

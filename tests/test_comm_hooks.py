@@ -23,7 +23,15 @@ from project.engine.distributed.comm_hooks.powersgd_layout import BucketLayouts
 from project.engine.distributed.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from project.engine.errors import UserError
 from project.engine.launch.torchrun import TRAINERS
-from tests.helpers import assert_same_weights, finish, free_port, launcher, run_script, start
+from tests.helpers import (
+    POWERSGD,
+    assert_same_weights,
+    finish,
+    free_port,
+    launcher,
+    run_script,
+    start,
+)
 
 HOOKS = ["ddp_fp16", "ddp_bf16", "ddp_powersgd"]
 
@@ -446,17 +454,16 @@ def launcher_job(module: str, args: list[str], run_id: str) -> tuple[int, str]:
 
 
 @pytest.mark.distributed
-def test_powersgd_state_survives_a_preemption_in_both_trainers(base_args, log_dir) -> None:
+def test_powersgd_state_survives_a_preemption_in_both_trainers(
+    base_args, log_dir, powersgd_whole
+) -> None:
     """Every rank saves its own PowerSGD state beside the last checkpoint and gets it back on
     resume; the resumed run ends bitwise where the uninterrupted one does, though DDP's first
     step of a process lays its buckets out differently (a 1.2 MB model: one bucket in the
     first step, two regrouped ones after; odd layer sizes, so that a layout's offsets are
     not all multiples of 16 bytes). A resume whose per-rank state is missing is refused in
     one line."""
-    args = [*base_args, "strategy=ddp_powersgd", "model.net.hidden=511", "trainer.max_epochs=4",
-            "test=false", "callbacks.early_stopping=null"]  # fmt: skip
-    code, out = launcher_job("project.train", args, "whole")
-    assert code == 0, out[-3000:]
+    args = [*base_args, *POWERSGD]
     for trainer, module in TRAINERS.items():
         stop = [*args, "fault_injection.at_step=25", "fault_injection.mode=sigterm"]
         code, out = launcher_job(module, stop, trainer)
@@ -471,7 +478,7 @@ def test_powersgd_state_survives_a_preemption_in_both_trainers(base_args, log_di
         assert code == EXIT_BAD_INPUT and "rank 1 at step 29 cannot be restored" in out, out[-3000:]
         code, out = launcher_job(module, args, trainer)  # the same command: resumes
         assert code == 0, out[-3000:]
-        assert_same_weights(ckpts.parent, log_dir / "train/runs/whole")
+        assert_same_weights(ckpts.parent, powersgd_whole)
 
 
 # Two ranks that save or load PowerSGD state files beside `last` (argv: last, save|load) and

@@ -21,6 +21,7 @@ from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
 from project.engine.launch.torchrun import TRAINERS
 from tests.helpers import (
+    POWERSGD,
     QUIET,
     ROOT,
     SHORT_NO_TEST,
@@ -299,16 +300,13 @@ def test_preempted_on_two_processes_continued_on_one_elsewhere_from_s3(
 
 @pytest.mark.distributed
 def test_powersgd_state_goes_through_s3_in_both_trainers(
-    base_args, log_dir: Path, tmp_path: Path, s3: str
+    base_args, tmp_path: Path, s3: str, powersgd_whole: Path
 ) -> None:
     """Every rank uploads its own PowerSGD state; the manifest lists them all, and a run in
     another empty folder fetches its rank's file and ends bitwise where the uninterrupted
     run does (tests/test_comm_hooks.py's preemption test, across machines)."""
-    args = [*base_args, "strategy=ddp_powersgd", "model.net.hidden=511", "trainer.max_epochs=4",
-            "test=false", "callbacks.early_stopping=null"]  # fmt: skip
-    code, out = job("project.train", 2, args, "whole")
-    assert code == 0, out[-3000:]
-    whole = torch.load(log_dir / "train/runs/whole/checkpoints/last.ckpt", weights_only=True)
+    args = [*base_args, *POWERSGD]
+    whole = torch.load(powersgd_whole / "checkpoints/last.ckpt", weights_only=True)
     for module in BOTH:
         url = f"{s3}/{module}"
         name = "last.pt" if module == "project.raw_train" else "last.ckpt"
