@@ -10,8 +10,9 @@ Copies the git-tracked files (never .venv, logs, data caches), renames src/proje
 src/<package>, and rewrites `project` only where it names the package: imports, dotted paths
 (Hydra `_target_`, `-m project.train`, logger names), `src/project` paths, the pyproject
 name/scripts/tool settings, and the launch recipes' job names. The word in prose and keys that
-merely share it (the `[project]` table of pyproject.toml) stay. Afterwards it checks that no
-`project` import is left (exit 1 if one is) and lists the remaining plain-text mentions.
+merely share it (the `[project]` table of pyproject.toml) stay. Afterwards ruff (`tidy`) makes
+the new project lint-clean under its own name, it checks that no `project` import is left (exit
+1 if one is) and lists the remaining plain-text mentions.
 
 `--without` leaves optional features out (FEATURES below): their own files, and in the shared
 files the lines marked for them, which is each feature's one seam to the rest: a block between
@@ -22,6 +23,7 @@ Markdown table rows that name a file left out go too (README's map of the docs, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import keyword
 import re
 import shutil
@@ -60,12 +62,15 @@ FEATURES = {
 # with it, then a heading whose section is left empty; tests check no variant's docs name a
 # feature it left out.
 MENTIONS = {
-    "slurm": [r"slurm\.sbatch", r"submitit", r"\.\[slurm\]", r"slurm\.md", r"\bsbatch\b"],
-    "k8s": [r"launch/k8s", r"\bk8s\b", r"kubectl", r"pytorchjob", r"trainjob"],
+    "slurm": [r"slurm\.sbatch", r"submitit", r"\.\[slurm\]", r"slurm\.md", r"\bsbatch\b",
+              r"SLURM\s+recipe", r"SLURM\s+test\s+cluster"],
+    "k8s": [r"launch/k8s", r"\bk8s\b", r"kubectl", r"pytorchjob", r"trainjob",
+            r"Kubernetes\s+(?:object-storage\s+)?(?:recipe|manifest)"],
     "sweeps": [r"hparams_search", r"optuna", r"\.\[sweep\]", r"sweeps\.md"],
     "tracking": [r"mlflow", r"wandb", r"\bW&B\b", r"\.\[track\]", r"tracking\.md"],
     "doctor": [rf"{OLD}\.doctor", r"doctor\.md", r"\bthe doctor\b"],
-    "raw": [r"raw[_ -]train", r"raw-trainer\.md", rf"{OLD}\.compare", r"compare command",
+    "raw": [r"raw[_\s-]+train", r"raw-trainer\.md", rf"{OLD}\.compare", r"compare command",
+            r"TRAINER=raw", r"raw\s+PyTorch",
             r"compare\.png", r"\.\[plot\]", rf"{OLD}\.bench"],
 }  # fmt: skip
 # Copied but never rewritten: copier's record of the template it came from.
@@ -137,6 +142,9 @@ def rewrite(text: str, rel: str, package: str, name: str, description: str) -> s
         text = re.sub(rf"(?<![\w.])(k8s-)?{OLD}(?=[-:])", lambda m: f"{m[1] or ''}{name}", text)
         text = re.sub(rf"/workspace/{OLD}\b", f"/workspace/{name}", text)
     if rel.endswith(".md"):
+        # The names the launch recipes and pyproject's scripts take (project-consolidate,
+        # the Kubernetes secret and volume, k8s-project-train), as they are renamed there.
+        text = re.sub(rf"(?<![\w.])(k8s-)?{OLD}(?=-[a-z])", lambda m: f"{m[1] or ''}{name}", text)
         # What documents the generator itself: the new project no longer contains it.
         text = re.sub(r"<!-- template-only -->.*?<!-- /template-only -->\n*", "", text, flags=re.S)
         text = re.sub(r"^\| `scripts/new_project\.py`.*\n", "", text, flags=re.M)
@@ -332,6 +340,26 @@ def generate(args: argparse.Namespace) -> Path:
     return dest
 
 
+def tidy(dest: Path) -> str | None:
+    """Lint-clean under the new name and without the features left out, as the project's
+    `make lint` checks it (ruff, with the project's own settings): imports only a left-out
+    block used removed, imports sorted again, code wrapped again (a shorter name lets a
+    wrapped line fit, a longer one pushes lines past the limit), and a line that still runs
+    past it (prose or a string naming the package) marked `# noqa: E501`. A note instead
+    where this Python has no ruff."""
+    if importlib.util.find_spec("ruff") is not None:
+        ruff = [sys.executable, "-m", "ruff"]
+    elif shutil.which("ruff"):
+        ruff = ["ruff"]
+    else:
+        return "ruff is not installed here: run `make format` in the new project first"
+    for args in (["check", "--fix", "--select", "F401,I"], ["format"],
+                 ["check", "--add-noqa", "--select", "E501"]):  # fmt: skip
+        subprocess.run([*ruff, *args, "--no-cache", "--quiet", "."], cwd=dest,
+                       capture_output=True, check=False)  # fmt: skip
+    return None
+
+
 def leftovers(dest: Path) -> tuple[list[str], list[str]]:
     """(package imports still naming `project`: errors, plain-text mentions: for review)."""
     errors, mentions = [], []
@@ -373,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    note = tidy(dest)
     errors, mentions = leftovers(dest)
     if errors:
         print("error: these lines still use the package 'project':", file=sys.stderr)
@@ -381,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Created {dest} (package {args.package}).")
     if args.without:
         print(f"Left out: {', '.join(sorted(parse_without(args.without)))}.")
+    if note:
+        print(note)
     if mentions:
         print(f"Plain-text mentions of '{OLD}' left for you to review ({len(mentions)}):")
         print("\n".join(f"  {m}" for m in mentions))

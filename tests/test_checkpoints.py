@@ -224,6 +224,43 @@ def test_read_only_log_dir_is_one_line_as_root(base_args, log_dir, tmp_path) -> 
     assert code == 2 and str(blocker) in one_error_line(out)
 
 
+@pytest.mark.quick
+def test_an_unwritable_local_last_folder_is_refused_at_start(compose_train, tmp_path) -> None:
+    """Both trainers' checkpoint owner, built in preflight: a `callbacks.fault_tolerance.dirpath`
+    that is a file, lies below one or on /proc was found only at the first save, after an
+    epoch of training, in a line naming paths.log_dir / paths.data_dir."""
+    from project.engine.checkpoints.run import RunCheckpoints
+    from project.engine.errors import UserError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = [(blocker, f"{blocker} is a file"), (blocker / "ckpt", f"{blocker} is a file")]
+    if Path("/proc").is_dir():  # a virtual filesystem: no folder can be made there, even by root
+        cases.append((Path("/proc/x"), "nothing can be created in /proc"))
+    for dirpath, reason in cases:
+        cfg = compose_train([f"callbacks.fault_tolerance.dirpath={dirpath}"])
+        with pytest.raises(UserError) as err:
+            RunCheckpoints(cfg, Path(cfg.paths.output_dir), None, {}, {})
+        line = str(err.value)
+        assert line.startswith(f"callbacks.fault_tolerance.dirpath={dirpath} cannot be written")
+        assert reason in line and "give a folder this user may write to" in line, line
+    fine = tmp_path / "new" / "ckpt"  # writable: accepted, and nothing is made before a save
+    cfg = compose_train([f"callbacks.fault_tolerance.dirpath={fine}"])
+    assert RunCheckpoints(cfg, Path(cfg.paths.output_dir), None, {}, {}).last == fine / "last.ckpt"
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.quick
+def test_an_unwritable_local_last_folder_stops_before_training(base_args, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = [*base_args, *SHORT_NO_TEST, f"callbacks.fault_tolerance.dirpath={blocker}"]
+    code, out = run("project.train", args)
+    line = one_error_line(out)
+    assert code == 2 and line.startswith(f"error: {args[-1]} cannot be written"), line
+    assert "paths.log_dir" not in line and "Training" not in out, out[-3000:]
+
+
 @pytest.mark.slow
 def test_slurm_runs_in_one_allocation_get_their_own_folders(base_args, log_dir) -> None:
     """Two runs in one salloc / batch script (same SLURM_JOB_ID) used to share slurm-<job>;

@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_one_line_error, child_env, run_script
+from tests.helpers import (
+    ROOT,
+    assert_one_line_error,
+    child_env,
+    finish,
+    one_error_line,
+    run_script,
+    start,
+)
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -109,6 +117,25 @@ def test_the_trainer_arguments_checked_are_lightnings() -> None:
     from project.engine.config.typos import TRAINER_ARGS
 
     assert set(inspect.signature(Trainer.__init__).parameters) - {"self"} == TRAINER_ARGS
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "train.py",
+        "-m project.raw_train",  # feature:raw
+    ],
+)
+def test_several_nodes_without_a_launcher_is_one_line(entry: str, log_dir) -> None:
+    """Refused before any process starts (it used to print `MEMBER: 1/4` and wait for ten
+    minutes); start/finish: a job that waits is killed whole, rank 1 included."""
+    target = entry.split() if entry.startswith("-m ") else [str(ROOT / entry)]
+    cmd = [sys.executable, *target, "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.num_nodes=2", f"paths.log_dir={log_dir}"]  # fmt: skip
+    code, out = finish(start(cmd), timeout=60)
+    line = one_error_line(out)
+    assert code == 2 and "trainer.num_nodes=2 needs a launcher" in line, out[-3000:]
+    assert "launch/multinode.sh" in line and "MEMBER" not in out
 
 
 def test_unwritable_data_dir(tmp_path, log_dir) -> None:

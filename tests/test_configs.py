@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 
 from project.engine.distributed import ddp
 from project.engine.lightning.build import instantiate_all
-from tests.helpers import CONFIG_DIR, options
+from tests.helpers import CONFIG_DIR, options, run_script
 
 pytestmark = pytest.mark.quick  # the fast tier: `make test`
 
@@ -129,6 +129,32 @@ def test_eval_config_composes(compose_train) -> None:
     assert cfg.ckpt_path == "/x.ckpt" and cfg.logger == {}
 
 
+def test_eval_help_offers_only_the_groups_eval_takes(compose_train) -> None:
+    """`eval.py --help` listed every group in configs/, `strategy` and `model` among them,
+    which eval.py refuses (Hydra: "use +strategy=fsdp"): each option it lists composes."""
+    proc = run_script("eval.py", ["--help"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    listed = dict(ln.split(": ", 1) for ln in groups.splitlines() if ": " in ln)
+    assert {"data", "trainer", "logger"} <= set(listed) and "strategy" not in listed, listed
+    for group, names in listed.items():
+        for option in names.split(", "):
+            compose_train([f"{group}={option}", "ckpt_path=/x.ckpt"], config_name="eval")
+
+
+# feature:raw
+def test_eval_of_a_raw_trainer_checkpoint_names_how_to_test_it(tmp_path: Path) -> None:
+    """eval.py reads Lightning's checkpoints; a raw trainer's .pt is tested by the raw trainer
+    (train=false ckpt_path=...), and the refusal says so (docs/extending.md)."""
+    from project.engine.errors import UserError
+    from project.eval import load_checkpoint
+
+    torch.save({"config": {"model": {}}, "model": {}, "project": {}}, tmp_path / "last.pt")
+    with pytest.raises(UserError, match=r"raw_train train=false ckpt_path=\.\.\. tests it"):
+        load_checkpoint(str(tmp_path / "last.pt"))
+
+
+# /feature:raw
 def test_a_fault_tolerance_block_of_ones_own_is_settings_not_a_callback(compose_train) -> None:
     """`callbacks=none +callbacks.fault_tolerance.every_n_seconds=60`: Lightning gets no
     callback from it (nor a half-built one), the run's checkpoints follow it, the rest of its

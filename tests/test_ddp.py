@@ -66,6 +66,17 @@ def test_matching_explicit_value_is_fine() -> None:
     assert ddp.resolve_topology(trainer_cfg(devices=2), env=TORCHRUN_2x1).world_size == 2
 
 
+@pytest.mark.parametrize("devices", [1, 2, "auto"])
+def test_several_nodes_without_a_launcher_are_refused(devices) -> None:
+    """Plain python starts processes on one node only: num_nodes=2 would wait for the other
+    node's ranks, which nothing starts (issue 53), in both trainers (the check they share)."""
+    needle = "trainer.num_nodes=2 needs a launcher on every node"
+    with pytest.raises(UserError, match=re.escape(needle)) as err:
+        ddp.resolve_topology(trainer_cfg(devices=devices, num_nodes=2), env={})
+    assert "launch/multinode.sh" in str(err.value)
+    assert ddp.resolve_topology(trainer_cfg(devices=devices, num_nodes=1), env={}).num_nodes == 1
+
+
 @pytest.mark.parametrize("bad", ["two", 0, -3])
 def test_bad_device_counts(bad) -> None:
     with pytest.raises(UserError, match=r"trainer\.devices"):

@@ -300,6 +300,39 @@ def test_launch_input_is_checked_before_torchrun(env: dict, message: str) -> Non
     assert time.monotonic() - began < 10
 
 
+@pytest.mark.quick
+def test_launcher_arguments_torch_asserts_on_are_one_line() -> None:
+    """`python -m project.launcher` run by hand: torch refused these with a bare
+    AssertionError (or a ValueError's traceback) once it ran; what torch accepts still passes."""
+    from torch.distributed.run import parse_args
+
+    from project.launcher import argument_error
+
+    def error(*args: str) -> str | None:
+        return argument_error(parse_args([*args, "train.py"]))
+
+    for nproc in ("0", "-2"):
+        assert error(f"--nproc-per-node={nproc}") == (
+            f"--nproc-per-node={nproc} must be a whole number >= 1 (or auto)"
+        )
+    within = "must be N or MIN:MAX, whole numbers with 1 <= MIN <= MAX"
+    for nnodes in ("2:1", "0", "0:2", "two", "1:2:3"):
+        assert error(f"--nnodes={nnodes}") == f"--nnodes={nnodes} {within}"
+    assert error("--max-restarts=-1") == "--max-restarts=-1 must be a whole number >= 0"
+    assert error("--monitor-interval=0") == "--monitor-interval=0.0 must be a number of seconds > 0"
+    for fine in (["--nnodes=2", "--nproc-per-node=8"], ["--nnodes=1:4", "--nproc-per-node=auto"],
+                 ["--standalone", "--nproc-per-node=gpu", "--max-restarts=0"]):  # fmt: skip
+        assert error(*fine) is None, fine
+
+
+@pytest.mark.quick
+def test_a_launcher_argument_torch_asserts_on_stops_before_torchrun() -> None:
+    code, out = finish(start(launcher(["-m", "project.train"], nproc=0)), 60)
+    assert code == 2 and out.strip() == (
+        "error: --nproc-per-node=0 must be a whole number >= 1 (or auto)"
+    ), out
+
+
 def test_missing_node_is_reported_not_waited_on(base_args) -> None:
     """Node 1 is never started: node 0 stops after RDZV_TIMEOUT with a diagnosis (it used to
     wait 15 minutes, then print a C++ stack trace)."""

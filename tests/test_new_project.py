@@ -165,14 +165,15 @@ GUIDE = re.compile(r"^```(?:python|yaml) (\S+)\n(.*?)^```$", re.M | re.S)
 @pytest.mark.slow
 def test_the_add_your_own_guide_followed_literally(tmp_path_factory) -> None:
     """docs/extending.md's worked example, block by block, in a fresh generated project: a
-    regression task trains with both trainers on 1 and 2 processes with bitwise equal losses."""
+    regression task trains with both trainers on 1 and 2 processes with bitwise equal losses;
+    then its commands that evaluate a run and fine-tune from it run as written."""
     project = tmp_path_factory.mktemp("guide") / "reg"
     proc = new_project(str(project), "--package", "mynet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     guide = (project / "docs" / "extending.md").read_text()
     section = guide.split("### Worked example")[1].split("\n## ")[0]
     blocks = GUIDE.findall(section)
-    assert len(blocks) == 5, [path for path, _ in blocks]  # 2 Python files + 3 configs
+    assert len(blocks) == 6, [path for path, _ in blocks]  # 2 Python files + 4 configs
     for path, text in blocks:
         assert not (project / path).exists(), f"the guide overwrites {path}"
         (project / path).write_text(text)
@@ -201,6 +202,16 @@ def test_the_add_your_own_guide_followed_literally(tmp_path_factory) -> None:
             assert "test/r2" in json.loads((run_dir / "metrics.json").read_text())
         assert len(losses["mynet.train", nproc]) >= 20
         assert losses["mynet.train", nproc] == losses["mynet.raw_train", nproc]  # bitwise
+    usage = guide.split("### Evaluate a run, fine-tune from it")[1].split("\n## ")[0]
+    (commands,) = re.findall(r"```bash\n(.*?)```", usage, re.S)
+    for i, line in enumerate(commands.replace("\\\n", " ").splitlines()):
+        words = line.split()
+        assert words[0] == ".venv/bin/python", line
+        trained = "mynet.raw_train" if line.rstrip().endswith(".pt") else "mynet.train"
+        words = [w.replace("logs/train/runs/<run>", f"runs/{trained}-1") for w in words[1:]]
+        run = run_in(project, [*words, f"hydra.run.dir={project}/runs/doc-{i}",
+                               "trainer.enable_progress_bar=false"])  # fmt: skip
+        assert run.returncode == 0 and "test/r2=" in run.stdout + run.stderr, line
 
 
 EVERY_FEATURE = "slurm,k8s,sweeps,tracking,doctor,raw"
@@ -367,3 +378,85 @@ def test_generated_project_inherits_its_hooks_and_ci_workflow(generated: Path, t
              "Hydra configs compose")  # fmt: skip
     for hook in names:
         assert re.search(rf"^{re.escape(hook)}\.+Passed$", run.stdout, re.M), run.stdout
+
+
+def ruff(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ruff", *args, "--no-cache", "."], cwd=project,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("package", "without"),
+    [("lean", "slurm,k8s,sweeps,raw"), ("a_rather_long_package_name_for_a_net", "")],
+)
+def test_a_generated_project_lints_clean_whatever_its_name(tmp_path, package, without) -> None:
+    """`make lint` passes in the new project: a shorter name let a wrapped line fit (ruff
+    format), a longer one pushed lines past 100 characters and re-sorted imports (ruff
+    check). Nothing of this machine (its paths) goes into the project."""
+    project = tmp_path / "p"
+    leave_out = ["--without", without] if without else []
+    proc = new_project(str(project), "--package", package, *leave_out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for check in (["check"], ["format", "--check"]):
+        lint = ruff(project, *check)
+        assert lint.returncode == 0, (check, lint.stdout[-3000:])
+    here = [p for p in project.rglob("*") if p.is_file() and str(ROOT) in p.read_text("latin-1")]
+    assert here == [], here
+
+
+# A path in backticks that starts at a top-level folder, or in the package (engine/...) or in
+# src/ (hydra_plugins/...), as the README's layout table names them.
+DOC_PATH = re.compile(
+    r"`((?:configs|src|launch|tests|schema|docs|engine|hydra_plugins)/[^`\s*<>]*)`"
+)
+DOC_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def docs_claims(project: Path, package: str) -> list[str]:
+    """What README.md and docs/*.md of a generated project name that it lacks: paths, links
+    (and their headings), the template's package name."""
+    pages = [project / "README.md", *sorted((project / "docs").glob("*.md"))]
+    base = {"engine": project / "src" / package, "hydra_plugins": project / "src"}
+    wrong = []
+    for page in pages:
+        text = page.read_text()
+        for path in DOC_PATH.findall(text):
+            if not (base.get(path.split("/")[0], project) / path.rstrip("/")).exists():
+                wrong.append(f"{page.name} names {path}")
+        for link in DOC_LINK.findall(text):
+            file, _, anchor = link.partition("#")
+            if link.startswith(("http", "mailto:")) or not (file or anchor):
+                continue
+            target = (page.parent / file) if file else page
+            page_text = target.read_text() if target.suffix == ".md" and target.exists() else ""
+            headings = re.findall(r"^#+ (.*)$", page_text, re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+            if not target.exists() or (anchor and anchor not in slugs):
+                wrong.append(f"{page.name} links to {link}")
+        for old in re.findall(r"(?<![\w/.-])project[-.][a-z]\w*|src/project\b", text):
+            wrong.append(f"{page.name} says {old}")
+    return wrong
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("without", ["raw", "slurm,k8s", "sweeps,slurm", EVERY_FEATURE, ""])
+def test_the_docs_of_a_generated_project_name_only_what_it_has(tmp_path, without) -> None:
+    """Every path and link README.md and docs/ name exists in the project (--without raw still
+    listed engine/cluster/ and hydra_plugins/, offered TRAINER=raw and promised the raw
+    trainer; the launch/ row named the SLURM and Kubernetes recipes), and no command keeps the
+    template's name (`project-consolidate`, the Kubernetes secret and volume names)."""
+    project = tmp_path / "p"
+    leave_out = ["--without", without] if without else []
+    proc = new_project(str(project), "--package", "mynet", *leave_out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wrong = docs_claims(project, "mynet")
+    assert wrong == [], wrong
+    docs = "\n".join(p.read_text() for p in [project / "README.md", *project.glob("docs/*.md")])
+    said = {
+        "raw": ["TRAINER=raw", "raw PyTorch", "raw trainer's `last.pt`"],
+        "slurm": ["SLURM recipe", "SLURM test cluster"],
+        "k8s": ["Kubernetes recipes", "Kubernetes manifests", "Kubernetes object-storage"],
+    }  # fmt: skip
+    for name in without.split(","):
+        assert [s for s in said.get(name, []) if s in docs] == [], name

@@ -155,6 +155,20 @@ def test_auto_resume_refuses_another_training_and_names_the_keys() -> None:
         check_resumable("last.ckpt", ckpt, with_(seed=7), explicit=False)
 
 
+def test_the_refusal_of_another_training_names_fine_tuning_through_ckpt_path() -> None:
+    """A run folder refuses another config; the line names the way to train on from its
+    weights anyway: a new RUN_ID with ckpt_path."""
+    ckpt = {"project": {"identity": training_identity(CFG)}}
+    moved = with_(model__net__hidden=32)  # as if it followed a key the command changed
+    cases = [(with_(seed=7), None, "trained with another config"),
+             (moved, {"model.net.hidden": "x"}, "the command changed x")]  # fmt: skip
+    for changed, follows, said in cases:
+        with pytest.raises(UserError) as err:
+            check_resumable("r/last.ckpt", ckpt, changed, explicit=False, follows=follows)
+        line = str(err.value)
+        assert said in line and "another RUN_ID" in line and "ckpt_path=r/last.ckpt" in line, line
+
+
 def test_an_explicit_checkpoint_may_change_all_but_the_network() -> None:
     ckpt = {"project": {"identity": training_identity(CFG)}}
     check_resumable("x.ckpt", ckpt, with_(seed=7, data__batch_size=8), explicit=True)

@@ -15,9 +15,12 @@ from tests.helpers import (
     ROOT,
     assert_same_tensors,
     assert_same_tree,
+    exit_check_env,
     finish,
     fsdp_mlp,
+    launcher,
     logged_metrics,
+    one_error_line,
     run_script,
     start,
     torchrun,
@@ -72,6 +75,31 @@ def test_consolidate_refuses_bad_input_in_one_line(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.pt"]  # nothing written
 
 
+@pytest.mark.quick
+def test_consolidate_names_the_sharded_last_that_exists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The docs and --help said `<folder>/last`; Lightning's sharded last is `last-ckpt` (the
+    raw trainer's `last-pt`): what they document now, and a `last` that nothing publishes is
+    refused with the name its folder's manifest publishes."""
+    import re
+
+    from project.consolidate import main
+
+    manifest = {"format": "dcp", "step": 4, "folder": "last-ckpt-step4", "world": 2}
+    (tmp_path / "last-ckpt.json").write_text(json.dumps(manifest))
+    assert main([str(tmp_path / "last"), str(tmp_path / "o.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"publishes last-ckpt: CKPT={tmp_path}/last-ckpt" in err, err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out
+    assert "<run>/checkpoints/last-ckpt" in usage and "/last\n" not in usage, usage
+    page = (ROOT / "docs" / "fault-tolerance.md").read_text()
+    documented = re.findall(r"-m \w+\.consolidate (\S+)", page)  # the package's name
+    assert documented and all(c.endswith("/last-ckpt") for c in documented), documented
+
+
 # --- torchrun jobs (the full tier) ---------------------------------------------------------------
 @pytest.mark.quick
 def test_one_process_without_a_group_saves_and_loads_quietly(tmp_path: Path) -> None:
@@ -99,6 +127,36 @@ def test_one_process_without_a_group_saves_and_loads_quietly(tmp_path: Path) -> 
     assert loaded.common == {"epoch": 3} and loaded.own and loaded.world == 1
     assert_same_tensors(net.state_dict(), copy.state_dict())
     assert_same_tree(optimizer.state_dict(), copy_optimizer.state_dict())
+
+
+@pytest.mark.quick
+def test_a_save_whose_shards_cannot_be_written_is_one_line_and_last_stays(tmp_path: Path) -> None:
+    """DCP's failures are CheckpointException, a BaseException that `except Exception` let
+    through: ~400 lines, the agreement ("`last` stays step N") skipped. A save cut partway
+    (its small files written, its shards not) is one line naming DCP's error; the previous
+    `last` stays published and loads; closing after it lets the group go."""
+    from project.engine.checkpoints.sharded import ShardedLast, load, resolve
+    from project.engine.errors import UserError
+
+    class Blocked(ShardedLast):
+        def write_own(self, folder: str, per_rank: dict, step: int) -> None:
+            super().write_own(folder, per_rank, step)
+            if step == 2:  # a folder where DCP writes this rank's shards: its write fails
+                (Path(folder) / f"__{self.rank}_0.distcp").mkdir()
+
+    net = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(net.parameters())
+    last = Blocked(tmp_path, "last", "test")
+    last.save(1, net, optimizer, {"epoch": 1}, {})
+    with pytest.raises(UserError) as err:
+        last.save(2, net, optimizer, {"epoch": 2}, {})
+    line = str(err.value)
+    assert line.startswith("rank 0 could not save step 2 (rank 0: IsADirectoryError: "), line
+    assert line.endswith("; `last` stays step 1") and "\n" not in line, line
+    assert resolve(tmp_path / "last", "ckpt_path") == str(tmp_path / "last-step1")
+    last.close()
+    assert last.group is None and last.pending is None
+    assert load(str(tmp_path / "last"), net, optimizer).common == {"epoch": 1}
 
 
 @pytest.mark.quick
@@ -274,3 +332,36 @@ def test_a_url_folder_saves_publishes_and_resumes(
     assert_same_tensors(
         weights(whole["dropout"].with_suffix(".pt")), weights(tmp_path / "resumed.pt")
     )
+
+
+# feature:raw
+@pytest.mark.distributed
+def test_a_failed_background_save_of_a_sharded_last_is_one_line(
+    tmp_path: Path, base_args: list[str]
+) -> None:
+    """The raw trainer under strategy=fsdp, saving in the background, on 2 processes: the
+    save of step 6 cannot be written (a file where its folder goes), and DCP's thread fails
+    with a CheckpointException. It was ~400 lines, and `close()` re-raised it before
+    destroying its group. Now: one line, exit 2, `last` still step 3, every group closed."""
+    from project.engine.checkpoints.sharded import resolve
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last-pt-step6").write_text("")  # the folder of the end's save (step 6)
+    args = [*base_args, "strategy=fsdp", "strategy.async_save=true", "test=false",
+            "callbacks.model_checkpoint=null", "callbacks.early_stopping=null",
+            "trainer.max_epochs=2", "trainer.limit_train_batches=3",
+            "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    code, out = finish(start(launcher(["-m", "project.raw_train", *args]), **exit_check_env()))
+    assert code == 2, out[-3000:]
+    line = one_error_line(out)
+    assert line.startswith("error: rank 0 could not save step 6 (") and line.endswith(
+        "; `last` stays step 3"
+    ), line
+    assert resolve(checkpoints / "last-pt", "ckpt_path") == str(checkpoints / "last-pt-step3")
+    closed = [ln for ln in out.splitlines() if ln.startswith("exit check:")]
+    # torchrun may end the second rank (SIGTERM, no exit hooks) once the first has exited
+    assert closed and all(ln.endswith("closed") for ln in closed), closed
+
+
+# /feature:raw

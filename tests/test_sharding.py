@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
+from project.data.stream import ShardedStream
 from project.engine.data import sharding
 from project.engine.data.samplers import EvalShardSampler, ResumableSampler, ShardedDraws
 from project.engine.data.sharding import resume_at, set_epoch, shard_loader
@@ -22,6 +24,7 @@ from tests.helpers import (
     assert_same_weights,
     finish,
     launcher,
+    one_error_line,
     recorded_data,
     recorded_reads,
     start,
@@ -416,3 +419,99 @@ def test_unequal_eval_batches_are_refused_for_fsdp_with_sizes_that_work() -> Non
         assert len(ranks[0]) == len(ranks[1])
         sharding.same_eval_batches(ranks[0], "val")
     sharding.same_eval_batches(shard_loader(DataLoader(data, batch_size=64), "val", 2, 0, 0), "val")
+
+
+# --- an evaluation split with fewer batches than processes ------------------------------------
+class Rows(ShardedStream):
+    """A stream of `lengths` elements per shard (data=chars_stream's shape)."""
+
+    def read(self, shard: int) -> list[int]:
+        return list(range(self.lengths[shard]))
+
+
+def refusal(dataset: object, source: object = None, rank: int = 1, **loading: object) -> str:
+    """The line refusing `dataset` as a val split on 2 processes ("" where it is taken)."""
+    loader = shard_loader(DataLoader(dataset, **loading), "val", 2, rank, seed=0)
+    try:
+        sharding.same_eval_batches(loader, "val", fsdp=False, source=source)
+    except UserError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.quick
+def test_an_eval_split_that_leaves_a_rank_without_a_batch_is_one_line_with_the_fix(
+    data_dir: Path,
+) -> None:
+    """A rank without a val/test batch skips the evaluation its peers run: the raw trainer's
+    ranks went out of step (the others waiting in the metrics' sync until strategy.timeout),
+    Lightning stopped that rank alone. Refused alike on every rank (a function of the world
+    size, no collective), naming the split, its batches, the processes and the fix."""
+    one = refusal(TensorDataset(torch.arange(1.0)), batch_size=64)
+    assert one == refusal(TensorDataset(torch.arange(1.0)), rank=0, batch_size=64)
+    assert one.startswith("the val split has 1 batch(es) (1 element(s) in batches of 64) for 2 "
+                          "processes, so rank 1 would evaluate none"), one  # fmt: skip
+    assert one.endswith(": use a val split of 2 elements, or at most 1 process(es) (fewer "
+                        "trainer.devices)"), one  # fmt: skip
+    dropped = refusal(TensorDataset(torch.arange(127.0)), batch_size=64, drop_last=True)
+    assert "use a val split of 128 elements, or at most 1 process(es)" in dropped, dropped
+    stream = refusal(Rows([1]), batch_size=32)  # data=chars_stream with one val window
+    assert stream.startswith("the val split has 1 batch(es) (1 element(s) in batches of 32)")
+    # Taken: a batch on every rank, or on none (an empty split is evaluated nowhere).
+    assert refusal(Rows([1, 1]), batch_size=32) == ""
+    for n, drop in [(2, False), (0, False), (100, True)]:
+        assert refusal(TensorDataset(torch.arange(float(n))), batch_size=64, drop_last=drop) == ""
+    # The shipped digits: the fraction named is the least (in two digits) that works.
+    from project.data.digits import Digits
+
+    tiny = Digits(str(data_dir), val_fraction=0.0006)
+    line = refusal(tiny.dataset("val"), tiny, batch_size=64)
+    assert "use data.dataset.val_fraction=0.00084 or more, or at most 1 process(es)" in line
+    assert refusal(Digits(str(data_dir), val_fraction=0.00084).dataset("val"), batch_size=64) == ""
+    assert len(Digits(str(data_dir), val_fraction=0.00083).dataset("val")) == 1
+
+
+@pytest.mark.quick
+def test_the_text_sources_name_the_least_fraction_that_gives_a_split_its_windows(
+    tmp_path: Path,
+) -> None:
+    """data=chars: the fraction setting; data=chars_stream: the prepare command's (the
+    fraction is cut when the shards are written)."""
+    from project.data.prepare import prepare
+    from project.data.text import CharCorpus
+    from project.data.text_stream import CharStream
+
+    hint = CharCorpus().larger("val", 2) or ""
+    fraction = float(re.fullmatch(r"data.dataset.val_fraction=([0-9.]+) or more", hint)[1])
+    assert len(CharCorpus(val_fraction=fraction).dataset("val")) == 2
+    assert len(CharCorpus(val_fraction=fraction - 1e-5).dataset("val")) == 1
+    assert prepare(None, tmp_path / "one", 64, 1024, 0.0002, 0.05)["val"] == 1
+    hint = CharStream(str(tmp_path / "one")).larger("val", 2) or ""
+    fraction = float(re.search(r"prepare --val-fraction ([0-9.]+) for the same corpus", hint)[1])
+    assert prepare(None, tmp_path / "two", 64, 1024, fraction, 0.05)["val"] == 2
+    assert prepare(None, tmp_path / "less", 64, 1024, fraction - 1e-5, 0.05)["val"] == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("module", "split"),
+    [
+        ("project.raw_train", "val"),  # feature:raw
+        ("project.train", "test"),
+    ],
+)
+def test_an_eval_split_with_fewer_batches_than_processes_is_refused_before_training(
+    tmp_path: Path, base_args, module: str, split: str
+) -> None:
+    """One sample in a split on 2 processes. It was: the raw trainer's ranks out of step
+    until strategy.timeout, then a hang report; Lightning's rank 1 traceback ("zero length"),
+    for the test split after the whole training. Now exit 2 with one line, before training."""
+    args = [*base_args, f"data.dataset.{split}_fraction=0.0006", "trainer.max_epochs=1",
+            "trainer.limit_train_batches=2", "trainer.num_sanity_val_steps=0",
+            f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
+    code, out = finish(start([*launcher(["-m", module]), *args]), timeout=90)
+    assert code == EXIT_BAD_INPUT, out[-3000:]
+    line = one_error_line(out)
+    assert f"the {split} split has 1 batch(es) (1 element(s) in batches of 64) for 2 " in line
+    assert f"use data.dataset.{split}_fraction=0.00084 or more, or at most 1 process" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained

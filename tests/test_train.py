@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,16 @@ import torch
 
 from project.train import train
 from tests.helpers import (
+    ROOT,
     assert_one_line_error,
+    finish,
     logged_metrics,
+    one_error_line,
     read_scalars,
     run_script,
+    start,
     step_losses,
+    user_data,
 )
 
 
@@ -122,6 +128,28 @@ def test_lightning_launcher_ddp_two_cpu_processes(base_args, log_dir) -> None:
     log_file = (runs[0] / "train.log").read_text()
     assert log_file.count("Metrics:") == 1
     assert sorted(p.name for p in runs[0].glob("*.log")) == ["config_tree.log", "train.log"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("refusing", "when"),
+    [(1, "built"), (1, "setup"), ("every", "setup")],
+    ids=["rank-1-before-the-group", "rank-1-in-the-group", "every-rank"],
+)
+def test_a_rank_refusing_under_lightnings_launcher_ends_the_job_with_exit_2(
+    base_args, tmp_path: Path, refusing: int | str, when: str
+) -> None:
+    """A rank that exits 2 after its one-line error ends the job with 2, the line shown once
+    (issue 53): rank 0 was SIGKILLed by Lightning's watcher (exit 137, read as out of memory)
+    while it waited for rank 1 to join, or, once the group was up, reported the collective
+    that rank 1 left (exit 1, a second line). No process of the job is left (finish)."""
+    data = user_data(tmp_path, "RefusingDataModule", refusing=refusing, when=when)
+    cmd = [sys.executable, str(ROOT / "train.py"), *base_args, *data, "trainer.accelerator=cpu",
+           "trainer.devices=2", f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
+    code, out = finish(start(cmd), timeout=120)
+    assert code == 2, out[-3000:]
+    who = "every rank" if refusing == "every" else "rank 1"
+    assert f"the data folder of {who} is missing" in one_error_line(out), out[-3000:]
 
 
 def test_a_run_early_stopping_ends_says_why_in_both_trainers(base_args, log_dir) -> None:

@@ -206,6 +206,33 @@ class RankDependentDataModule(PlainDataModule):
         self.train_set = Recorded("train", self.hparams.n_train + extra, 0, self.hparams.record_dir)
 
 
+class RefusingDataModule(PlainDataModule):
+    """Bad input that a rank finds and refuses in one line (e.g. its node-local data folder is
+    missing): `refusing` is the rank that refuses ("every": all of them), `when` is "built"
+    (before the process group is up: the local rank, which Lightning's launcher sets) or
+    "setup" (once it is up)."""
+
+    def __init__(self, record_dir: str, refusing: int | str = 1, when: str = "setup") -> None:
+        super().__init__(record_dir)
+        self.refusing, self.when = refusing, when
+        if when == "built":
+            self._refuse(int(os.environ.get("LOCAL_RANK", "0")))
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        if self.when == "setup":
+            self._refuse(rank())
+
+    def _refuse(self, me: int) -> None:
+        from project.engine.errors import UserError
+
+        if self.refusing in ("every", me):  # every rank alike: one line, the same on each
+            who = "every rank" if self.refusing == "every" else f"rank {me}"
+            if who == "every rank" and me == 0:
+                time.sleep(2)  # rank 0 refuses last: the others have printed their line
+            raise UserError(f"the data folder of {who} is missing (refused when {self.when})")
+
+
 class OwnBatchDataModule(pl.LightningDataModule):
     """A datamodule whose batch size the run cannot set (`per_rank_batch`, not
     `data.batch_size`), with a train split of `n_train` samples and a test split."""

@@ -3,11 +3,12 @@ process without a process group:
 
     python -m project.consolidate CKPT OUT [--optimizer] [--prefix task.]
 
-CKPT is a save folder (<folder>/last-step40) or the `last` a manifest publishes
-(<folder>/last). OUT holds what the template's single-file Lightning checkpoints hold, so that
-`torch.load(OUT, weights_only=True)` reads it and eval.py, test or a DDP run's ckpt_path take
-it: `state_dict` (the weights, each key under --prefix, the LightningModule's attribute that
-holds the task: `task.`), the entries whole.CARRIED names where the save's `common` holds them
+CKPT is the `last` a manifest publishes (<run>/checkpoints/last-ckpt: Lightning's, published
+by last-ckpt.json; the raw trainer's is last-pt) or a save folder (last-ckpt-step40). OUT
+holds what the template's single-file Lightning checkpoints hold, so that `torch.load(OUT,
+weights_only=True)` reads it and eval.py, test or a DDP run's ckpt_path take it: `state_dict`
+(the weights, each key under --prefix, the LightningModule's attribute that holds the task:
+`task.`), the entries whole.CARRIED names where the save's `common` holds them
 (the network's and the data's config: eval.py needs them), and Lightning's version key; with
 --optimizer also `optimizer_states` (the optimizer's state in torch's own layout, numbered by
 parameter order) and no `lr_schedulers` (a run started from it begins its schedule afresh).
@@ -49,7 +50,8 @@ def consolidate(ckpt: str, out: Path, optimizer: bool, prefix: str | None) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="a save folder (<folder>/last-step40) or <folder>/last")
+    parser.add_argument("ckpt", help="<run>/checkpoints/last-ckpt (the raw trainer's: last-pt) "
+                        "or a save folder (<run>/checkpoints/last-ckpt-step40)")  # fmt: skip
     parser.add_argument("out", type=Path, help="the file to write (must not exist)")
     parser.add_argument("--optimizer", action="store_true", help="also the optimizer's state")
     parser.add_argument("--prefix", help="put before each weight's name (default: 'task.', "

@@ -45,9 +45,12 @@ def load_checkpoint(path: str | None, staging: Path | None = None) -> dict[str, 
         ckpt = read_checkpoint(local, "ckpt_path")
     hparams = ckpt.get("hyper_parameters") or {}
     if "state_dict" not in ckpt or "task" not in hparams or "net" not in hparams:
+        hint = "give a .ckpt written by train.py"
+        raw = "python -m project.raw_train train=false ckpt_path=... tests it"  # feature:raw
+        hint = f"{hint} (a raw trainer's .pt: {raw})" if "config" in ckpt else hint  # feature:raw
         raise UserError(
             f"ckpt_path={path} is not a Lightning checkpoint of this project's TaskModule "
-            "(no task/net hyperparameters): give a .ckpt written by train.py"
+            f"(no task/net hyperparameters): {hint}"
         )
     if "dataset" not in (ckpt.get("datamodule_hyper_parameters") or {}):
         raise UserError(

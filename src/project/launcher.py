@@ -134,6 +134,30 @@ def elastic_world_sizes(args: Any) -> None:
         os.environ["PROJECT_WORLD_SIZES"] = ",".join(map(str, sizes))
 
 
+def argument_error(args: Any) -> str | None:
+    """The one-line error for torchrun arguments torch refuses only with a bare
+    AssertionError (or a ValueError's traceback) once it runs; None: they are fine. What
+    torch accepts is left as it is (the same int() parsing)."""
+    try:
+        counts = [int(n) for n in str(args.nnodes).split(":")]
+        nodes_ok = len(counts) in (1, 2) and 1 <= counts[0] <= counts[-1]
+    except ValueError:
+        nodes_ok = False
+    if not nodes_ok:
+        return f"--nnodes={args.nnodes} must be N or MIN:MAX, whole numbers with 1 <= MIN <= MAX"
+    try:
+        nproc_ok = int(args.nproc_per_node) >= 1
+    except ValueError:  # auto, cpu, gpu, ...: torch's own answer
+        nproc_ok = True
+    if not nproc_ok:
+        return f"--nproc-per-node={args.nproc_per_node} must be a whole number >= 1 (or auto)"
+    if args.max_restarts < 0:
+        return f"--max-restarts={args.max_restarts} must be a whole number >= 0"
+    if not args.monitor_interval > 0:
+        return f"--monitor-interval={args.monitor_interval} must be a number of seconds > 0"
+    return None
+
+
 def launch(argv: list[str]) -> int:
     """Run torchrun with `argv`; returns the job's exit code (see the module docstring)."""
     # The store's C++ client prints its socket errors with 30-frame C++ stacks when a node
@@ -150,6 +174,9 @@ def launch(argv: list[str]) -> int:
     if cpp_level is None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     args = torchrun.parse_args(argv)
+    if problem := argument_error(args):  # before anything starts: one line, exit 2
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     elastic_world_sizes(args)
     for name in EXTRA_SIGNALS:
         if name not in args.signals_to_handle:

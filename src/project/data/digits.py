@@ -17,6 +17,7 @@ from project.data.source import (
     DataSource,
     MappedArray,
     check_writable,
+    least_fraction,
     save_array,
     split_indices,
 )
@@ -77,7 +78,16 @@ class Digits(DataSource):
     def prepare(self) -> None:
         materialise(self.data_dir)
 
+    def size(self) -> int:
+        """Images in all splits together (prepared)."""
+        return len(np.load(self.data_dir / TARGETS_FILE, mmap_mode="r"))
+
+    def larger(self, split: str, elements: int) -> str | None:
+        if split == "train":
+            return None
+        return f"data.dataset.{split}_fraction={least_fraction(self.size(), elements)} or more"
+
     def dataset(self, split: str) -> Dataset:
-        n = len(np.load(self.data_dir / TARGETS_FILE, mmap_mode="r"))
+        n = self.size()
         splits = dict(zip(SPLITS, split_indices(n, *self.fractions, self.seed), strict=True))
         return DigitsDataset(self.data_dir, splits[split])

@@ -23,7 +23,7 @@ import numpy as np
 
 from project.data.remote.cache import PREPARE, ShardCache
 from project.data.source import save_array
-from project.engine.errors import UserError
+from project.engine.errors import UserError, storage_missing
 
 INDEX = "index.json"
 FORMAT = "project-shards/1"
@@ -62,7 +62,10 @@ def read_index(folder: str) -> dict[str, Any]:
 
 
 def _read_index(folder: str) -> dict[str, Any]:
-    fs, root = fsspec.core.url_to_fs(folder)
+    try:
+        fs, root = fsspec.core.url_to_fs(folder)
+    except ImportError as err:  # fsspec knows the store (gs://): its package is missing
+        raise UserError(f"the shard folder {folder}: {storage_missing(folder, err)}") from None
     if not fs.exists(root):
         raise UserError(f"the shard folder {folder} does not exist: write it with {PREPARE}")
     try:

@@ -15,6 +15,7 @@ is moved into /dev/shm (docs/data.md has the pattern and the /dev/shm need).
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -39,6 +40,11 @@ class DataSource:
 
     def teardown(self) -> None:
         """At the end of the run, in every rank: remove what the run cached (idempotent)."""
+
+    def larger(self, split: str, elements: int) -> str | None:
+        """The setting that gives `split` at least `elements` elements, as the fix a one-line
+        error names (every process must have one to evaluate); None: the count only."""
+        return None
 
 
 class MappedArray:
@@ -90,6 +96,17 @@ def split_indices(
     perm = np.random.default_rng(seed).permutation(n)
     n_val, n_test = round(n * val_fraction), round(n * test_fraction)
     return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
+
+
+def least_fraction(n: int, count: int) -> float:
+    """The least fraction f of `n`, in two significant digits, with round(n * f) >= count:
+    how `split_indices` and project.data.text size a split."""
+    f = (count - 0.5) / n
+    digits = 1 - math.floor(math.log10(f))  # f's first two significant digits
+    f = round(math.ceil(f * 10**digits) / 10**digits, digits)
+    while round(n * f) < count:  # float rounding at the boundary
+        f = round(f + 10**-digits, digits)
+    return f
 
 
 def check_writable(data_dir: str | Path) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from project.data.source import SPLITS, DataSource
+from project.data.source import SPLITS, DataSource, least_fraction
 from project.engine.errors import UserError
 
 VOCAB_SIZE = 256  # bytes
@@ -135,6 +135,12 @@ class CharCorpus(DataSource):
         n_train = n - n_val - n_test
         return {"train": (0, n_train), "val": (n_train, n_train + n_val),
                 "test": (n_train + n_val, n)}  # fmt: skip
+
+    def larger(self, split: str, elements: int) -> str | None:
+        if split == "train":
+            return None
+        fraction = least_fraction(len(self.tokens), elements * self.block_size + 1)  # Windows
+        return f"data.dataset.{split}_fraction={fraction} or more"
 
     def splits(self) -> dict[str, np.ndarray]:
         return {s: self.tokens[a:b] for s, (a, b) in self.bounds().items()}

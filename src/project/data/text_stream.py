@@ -21,7 +21,7 @@ from typing import Any
 
 from project.data.remote.reading import RemoteReading
 from project.data.shards import ShardCache, load_shard, map_shard, read_index
-from project.data.source import SPLITS, DataSource
+from project.data.source import SPLITS, DataSource, least_fraction
 from project.data.stream import ShardedStream
 from project.data.text import Windows
 from project.engine.errors import UserError
@@ -81,6 +81,17 @@ class TokenWindows(ShardedStream):
             self._reading = None
 
 
+def local_cache(root: str) -> str:
+    """`data.dataset.cache_dir`, checked: the shards are copied onto each node's own disk, so
+    a URL there (which used to become a local folder named `gs:`) is one line."""
+    if "://" in root:
+        raise UserError(
+            f"data.dataset.cache_dir={root} is a URL, but the shards of a remote "
+            "data.dataset.folder are cached on each node's own disk: give a local folder"
+        )
+    return root
+
+
 class CharStream(DataSource):
     """Token shards of `folder`/{train,val,test}, written by project.data.prepare with windows
     of `block_size` (the model's context length reads it from the config, so it is checked).
@@ -117,8 +128,15 @@ class CharStream(DataSource):
         self.streams: list[TokenWindows] = []  # what teardown stops
         if "://" in self.folder:
             root = cache_dir or tempfile.mkdtemp(prefix="shard_cache-")
-            self.cache = ShardCache(root, cache_limit_mb)
-            self.cache.join()  # the node's cache stays until its last user leaves
+            self.cache = ShardCache(local_cache(str(root)), cache_limit_mb)
+            try:
+                self.cache.join()  # the node's cache stays until its last user leaves
+            except OSError as err:  # a file in its way, a read-only filesystem: at start
+                why = f"{err.strerror}: {err.filename}" if err.filename else str(err)
+                raise UserError(
+                    f"data.dataset.cache_dir={root} cannot be made a folder ({why}): give a "
+                    "local folder this user may write to"
+                ) from None
             # At the rank's exit, not at a trainer's teardown: Lightning tears down after fit
             # and again after test, and a rank leaving between the two could find itself last
             # while another rank's test workers are only starting.
@@ -129,6 +147,21 @@ class CharStream(DataSource):
                               self.prefetch)  # fmt: skip
         self.streams.append(stream)
         return stream
+
+    def larger(self, split: str, elements: int) -> str | None:
+        """The fraction project.data.prepare cuts off for `split`; the corpus's length is read
+        back from the shards as its least (each split held windows*block_size+1 tokens or a
+        few more), so the fraction named works."""
+        if split == "train":
+            return None
+        block = self.indexes[split]["block_size"]
+        tokens = sum(sum(e["elements"] for e in index["shards"]) * block + 1
+                     for index in self.indexes.values())  # fmt: skip
+        fraction = least_fraction(tokens, elements * block + 1)
+        return (
+            f"shards prepared again with a larger {split} split (python -m "
+            f"project.data.prepare --{split}-fraction {fraction} for the same corpus)"
+        )
 
     def leave(self) -> None:
         """This rank is done with the node's cache (at its exit); the last one out removes it."""

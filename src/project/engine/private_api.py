@@ -33,6 +33,7 @@ USED = (
     ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor"),
     ("lightning.pytorch.core.module", "LightningModule._current_fx_name"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.kill"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher.procs"),
     ("lightning.pytorch.trainer.trainer", "Trainer._run_sanity_check"),  # feature:raw
     # feature:tracking
     ("lightning.fabric.utilities.logger", "_convert_params"),
@@ -57,6 +58,10 @@ USED = (
     (
         "lightning.fabric.strategies.launchers.subprocess_script",
         "_ChildProcessObserver._terminate_all",
+    ),
+    (
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "_ChildProcessObserver._child_processes",
     ),
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent._exit_barrier"),
     # The launcher's warm start (engine/launch/warm.py): the agent's Popen, and the rank a
@@ -145,6 +150,38 @@ def kill_launched_ranks(trainer: Any, signum: int) -> None:
     launcher = trainer.strategy.launcher
     if isinstance(launcher, _SubprocessScriptLauncher):
         launcher.kill(signum)
+
+
+def launched_ranks(trainer: Any) -> list[Any]:
+    """The processes (Popen) Lightning's own launcher started for the ranks > 0 of this node;
+    [] under an external launcher or on one process."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
+
+    launcher = trainer.strategy.launcher
+    return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+
+
+def on_launched_rank_exit(ended: Callable[[list[Any], int], None]) -> None:
+    """Lightning's launcher watches the ranks it started and, when one ends with an error,
+    SIGKILLs the others and rank 0 "to avoid zombies": a rank's bad-input exit 2 became the
+    job's 137, which schedulers read as an out-of-memory kill. Call `ended(ranks, code)`
+    instead (it ends the process) when the rank exited with a code; a rank killed by a signal
+    is left to Lightning. A paused watcher (pause_child_observer) stays paused."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    terminate = _ChildProcessObserver._terminate_all
+    terminate = getattr(terminate, "lightnings", terminate)  # installed once: its own
+
+    def _terminate_all(self: Any) -> None:
+        codes = [p.returncode for p in self._child_processes if p.returncode]
+        if codes and codes[0] > 0:  # the rank Lightning's watcher reports first
+            ended(self._child_processes, codes[0])
+        terminate(self)
+
+    _terminate_all.lightnings = terminate  # type: ignore[attr-defined]
+    _ChildProcessObserver._terminate_all = _terminate_all
 
 
 def combined_mode(combined: Any) -> str:
@@ -295,7 +332,9 @@ def one_repository_help() -> bool:
     """Hydra's `--help` and `--hydra-help` list every config group with its options through a
     fresh config repository per group and kind (about 120, each a deep copy of the repository
     and Hydra's whole ConfigStore): more than half a second. List them all from one repository
-    instead: the same calls on the same kind of repository, so the same page. False (and
+    instead: the same calls on the same kind of repository, so the same page. `--help` lists
+    only the groups the entry point's defaults list has (eval.py's has no `strategy` or
+    `model`: Hydra refuses `eval.py strategy=fsdp`, so its help does not offer it). False (and
     Hydra's own slow listing) when this Hydra lacks what the override needs."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.hydra import Hydra
@@ -308,8 +347,18 @@ def one_repository_help() -> bool:
     if getattr(original, "one_repository", False):  # already installed
         return True
 
-    def format_config_groups(self: Any, *args: Any, **kwargs: Any) -> str:
+    def format_config_groups(self: Any, predicate: Any, *args: Any, **kwargs: Any) -> str:
+        from hydra.core.hydra_config import HydraConfig
+
         loader = self.config_loader
+        # `--help` composed the primary config first: its choices name every group it has.
+        chosen = HydraConfig.get().runtime.choices if HydraConfig.initialized() else None
+
+        def listed(group: str) -> bool:
+            return predicate(group) and (
+                chosen is None or group.startswith("hydra") or group in chosen
+            )
+
         # What loader.get_group_options(group) builds per call (no primary config, no overrides).
         _, repo = loader._parse_overrides_and_create_caching_repo(None, [])
 
@@ -318,7 +367,7 @@ def one_repository_help() -> bool:
 
         loader.get_group_options = options  # shadows the method for this listing only
         try:
-            return original(self, *args, **kwargs)
+            return original(self, listed, *args, **kwargs)
         finally:
             del loader.get_group_options
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from project.engine.errors import UserError
+from project.engine.errors import UserError, storage_missing
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,8 @@ def open_url(url: str, what: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as err:  # fsspec knows the class: its package is the one to install
-        from fsspec.registry import known_implementations
-
-        scheme = url.split("://")[0]
-        package = known_implementations.get(scheme, {}).get("class", "").split(".")[0]
-        fix = f"pip install {package}" if package else "install the fsspec extra for it"
-        raise UserError(
-            f"{what}={url}: fsspec cannot open {url.split('://')[0]}:// URLs here ({err}): "
-            f"{fix} (nothing was written)"
-        ) from None
+        missing = storage_missing(url, err)
+        raise UserError(f"{what}={url}: {missing} (nothing was written)") from None
     except ValueError as err:
         raise UserError(
             f"{what}={url}: {err} (fsspec knows no such storage): give a local folder or an "

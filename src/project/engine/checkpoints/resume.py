@@ -109,7 +109,8 @@ def check_resumable(
         raise UserError(
             f"the command changed {', '.join(sorted({follows[k] for k in diff}))}, and with "
             f"it the run's {shown}{more}: add {keep} to continue this run as it was trained, "
-            "or use another RUN_ID for a new run (the folder is left as it is)"
+            f"or use another RUN_ID for a new run (with ckpt_path={path} it starts from these "
+            "weights: fine-tuning; the folder is left as it is)"
         )
     if explicit:
         raise UserError(
@@ -118,7 +119,8 @@ def check_resumable(
         )
     raise UserError(
         f"{path} was trained with another config ({shown}{more}), so this run folder belongs "
-        "to another run: use another RUN_ID for a new run (the folder is left as it is)"
+        f"to another run: use another RUN_ID for a new run (with ckpt_path={path} it starts "
+        "from these weights: fine-tuning; the folder is left as it is)"
     )
 
 

@@ -22,6 +22,8 @@ that holds a `last` gets the finished one too, so a finished run is never traine
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -98,6 +100,29 @@ def shipped(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
+def probe_folder(folder: Path, what: str) -> None:
+    """At start, before any process group or training: the local `folder` can be made and
+    written (not a file, not below one, not on a read-only or virtual filesystem such as
+    /proc); one line naming the key otherwise (exit 2). A real write, as root ignores
+    permission bits: a temporary folder made where `folder` is (or would be made) and removed
+    again, so a run refused later in preflight leaves nothing behind."""
+    there = folder.absolute()
+    while not os.path.lexists(there) and there != there.parent:  # its nearest existing part
+        there = there.parent
+    try:
+        if not there.is_dir():
+            reason = f"{there} is a file, not a folder"
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=there))
+            return
+    except OSError as err:
+        reason = f"nothing can be created in {there}: {err.strerror}"
+    raise UserError(
+        f"{what}={folder} cannot be written ({reason}): give a folder this user may write to, "
+        "or an fsspec URL such as s3://bucket/folder"
+    )
+
+
 class RunCheckpoints:
     """Where a run's checkpoints live and what each carries (see the module docstring)."""
 
@@ -128,6 +153,8 @@ class RunCheckpoints:
             self.remote = RemoteLast(str(dirpath), name, output_dir / STAGING)
             self.last = self.remote.staging / name  # staged here, then uploaded
         else:
+            if dirpath:  # found unwritable now, not at the first save after an epoch
+                probe_folder(Path(dirpath), "callbacks.fault_tolerance.dirpath")
             self.last = (Path(dirpath) if dirpath else self.folder) / name
         # A sharded `last` (strategy=fsdp on several processes, project.engine.checkpoints
         # .sharded): the manifest <name>.json where the one-file `last` would be (in the URL

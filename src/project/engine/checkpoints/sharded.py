@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -90,6 +91,16 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def failed(err: BaseException) -> str:
+    """A save's failure as part of one line. DCP raises CheckpointException, a BaseException
+    (so `except Exception` misses it) whose text is every failing rank's whole traceback: the
+    first failing rank's error says it."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, wrapped = min(err.failures.items(), key=lambda failure: failure[0])
+        return f"rank {rank}: {short(wrapped[0])}"
+    return short(err)
 
 
 def read_bytes(path: str) -> bytes:
@@ -332,21 +343,28 @@ class ShardedLast:
             self.write_own(folder, per_rank, step)
         except Exception as err:
             ok, why = False, short(err)
+        # DCP's failures (CheckpointException, on every rank alike: its collectives gather
+        # them) are said in the agreement before publishing; the previous `last` stays.
         if asynchronous and self.group is not None:  # DCP's async save needs a CPU group
             # The caller waits for DCP's staging (a copy of the state in memory) only; the
             # write runs in DCP's thread, its collectives on our group.
-            future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
-            if not isinstance(future, Future):  # a stager with a staging future of its own
-                future.staging_completion.result()
-                future = future.upload_completion
-            self.pending = (future, step, name, ok, why)
+            try:
+                future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+            except CheckpointException as err:  # its planning failed: nothing is in flight
+                future, ok, why = None, False, why or failed(err)
+            if future is not None:
+                if not isinstance(future, Future):  # a stager with a staging future of its own
+                    future.staging_completion.result()
+                    future = future.upload_completion
+                self.pending = (future, step, name, ok, why)
+                return time.perf_counter() - start
         else:
             try:
                 with one_process_quiet():
                     dcp.save(state, checkpoint_id=folder, process_group=self.group)
-            except Exception as err:
-                ok, why = False, why or short(err)
-            self.publish(step, name, ok, why)
+            except (Exception, CheckpointException) as err:  # not KeyboardInterrupt, SystemExit
+                ok, why = False, why or failed(err)
+        self.publish(step, name, ok, why)
         return time.perf_counter() - start
 
     def write_own(self, folder: str, per_rank: dict[str, Any], step: int) -> None:
@@ -368,8 +386,8 @@ class ShardedLast:
         future, _, _, ok, why = self.pending
         try:
             future.result()
-        except Exception as err:
-            ok, why = False, why or short(err)
+        except (Exception, CheckpointException) as err:  # DCP's: see `save`
+            ok, why = False, why or failed(err)
         return ok, why
 
     def publish(self, step: int, name: str, ok: bool, why: str) -> None:
@@ -396,11 +414,12 @@ class ShardedLast:
                     self.remove(old)
 
     def agree(self, ok: bool, failure: str) -> None:
-        """Every rank: whether every rank is `ok`; where one is not, every rank raises with
-        the first failing rank's line."""
+        """Every rank: whether every rank is `ok`; where one is not, every rank stops with
+        the first failing rank's line (one line, exit 2, as a run folder that cannot be
+        written: the environment's fault, which a restart would meet again)."""
         if self.world == 1:
             if not ok:
-                raise RuntimeError(failure)
+                raise UserError(failure)
             return
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
         dist.all_reduce(flag, group=self.group)
@@ -408,7 +427,7 @@ class ShardedLast:
             return
         lines: list[str] = [""] * self.world
         dist.all_gather_object(lines, "" if ok else failure, group=self.group)
-        raise RuntimeError(next(line for line in lines if line))
+        raise UserError(next(line for line in lines if line))
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Whole or not at all: a temp file renamed over it (local), one PUT (object store)."""
@@ -464,9 +483,11 @@ class ShardedLast:
         finished but not published: closing is also a failure's way out, where a peer may
         never join the agreement (call `wait()` first to publish it; the trainers' stop and
         end saves do)."""
-        if self.pending is not None:
-            self.finish_write()
+        try:
+            if self.pending is not None:
+                self.finish_write()
+        finally:  # whatever the write ended with, the group goes (else gloo may abort, -6)
             self.pending = None
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None

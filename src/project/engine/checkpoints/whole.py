@@ -9,6 +9,8 @@ by Lightning on one process) is copied into a temporary folder in the run's stag
 
 from __future__ import annotations
 
+import contextlib
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from project.engine.checkpoints.remote import download_folder, is_url, join
 from project.engine.checkpoints.sharded import (
     COMMON,
+    FORMAT,
     one_process_quiet,
     own_file,
     read_entries,
@@ -88,7 +91,7 @@ def consolidated(
     if is_url(ckpt):  # copied whole to be read: the user picks the disk (and downloads once)
         raise UserError(f"{what}={ckpt} is a URL: copy the save folder here first (e.g. "
                         "`aws s3 sync`) and give its local path")  # fmt: skip
-    folder = resolve(ckpt, what)
+    folder = located(ckpt, what)
     common = read_entries(join(folder, COMMON))
     full = gathered(folder, None if optimizer else "model")
     result: dict[str, Any] = {"state_dict": prefixed(full["model"], prefix),
@@ -106,6 +109,32 @@ def consolidated(
         "trainer": common["trainer"],
     }  # fmt: skip
     return result
+
+
+def located(ckpt: str, what: str) -> str:
+    """The save folder `ckpt` names (sharded.resolve). A name nothing publishes is refused
+    with the names its folder's manifests do publish: `<run>/checkpoints/last` answers that
+    Lightning's sharded `last` is `last-ckpt` (the raw trainer's `last-pt`)."""
+    try:
+        return resolve(ckpt, what)
+    except UserError as err:
+        path = Path(ckpt.rstrip("/"))
+        near = [] if is_url(ckpt) or path.exists() else published_in(path.parent)
+        if not near:
+            raise
+        raise UserError(f"{err}; {path.parent} publishes {' and '.join(near)}: "
+                        f"{what}={path.parent / near[0]}") from None  # fmt: skip
+
+
+def published_in(folder: Path) -> list[str]:
+    """The names the manifests of sharded saves in `folder` publish (`last-ckpt` for
+    last-ckpt.json)."""
+    names = []
+    for manifest in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if json.loads(manifest.read_text()).get("format") == FORMAT:
+                names.append(manifest.stem)
+    return names
 
 
 def resumable(ckpt: str, what: str = "ckpt_path", staging: Path | None = None) -> dict[str, Any]:

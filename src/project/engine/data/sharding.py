@@ -21,7 +21,8 @@ Every one of these resumes exactly at a global position of the epoch (`resume_at
 world size (samplers.py: one layout for all). Anything else (an IterableDataset that does not
 shard itself) stops a multi-process run at start-up with one line; in a single process it is
 kept, with one warning that a mid-epoch resume restarts the epoch. All ranks must see data of
-the same length: a mismatch is one line on every rank. Lists and dicts of loaders and
+the same length: a mismatch is one line on every rank, and so is a val/test split that leaves
+a rank without a batch (`same_eval_batches`). Lists and dicts of loaders and
 Lightning's CombinedLoader (in its mode) are sharded, given their epoch and resumed loader by
 loader, each at its own count (`own_position`: Lightning re-reads a short train loader inside
 the epoch, project.engine.lightning.combined). A rebuilt loader keeps every DataLoader option.
@@ -49,7 +50,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from project.data.stream import ShardedStream, SkipInEpoch
+from project.data.stream import ShardedStream, SkipInEpoch, rank_positions
 from project.engine.data.samplers import (
     EvalShardSampler,
     ResumableSampler,
@@ -276,11 +277,31 @@ def flat(loaders: Any) -> list[Any]:
     return [loaders]
 
 
-def same_eval_batches(loaders: Any, stage: str) -> None:
-    """Under strategy=fsdp every forward is a collective (each unit's all-gather): a rank with
-    one more eval batch than its peers would wait for good in an all-gather they never issue.
-    Refused in one line, with the batch sizes that give every rank as many batches."""
+def eval_batches(loader: Any) -> tuple[int, list[int]] | None:
+    """(elements, each rank's batches) of an evaluation loader sharded here (None: not ours,
+    or training's padded order)."""
+    order = _order(loader)
+    total = order.n if isinstance(order, EvalShardSampler) else getattr(order, "total", None)
+    if total is None or getattr(order, "pad", False):
+        return None
+    size, drop = units_per_batch(loader), getattr(loader, "drop_last", False)
+    ranks = [len(rank_positions(total, order.world, r, mode="exact")) for r in range(order.world)]
+    return total, [n // size if drop else -(-n // size) for n in ranks]
+
+
+def same_eval_batches(loaders: Any, stage: str, fsdp: bool = True, source: Any = None) -> None:
+    """Every rank evaluates a batch where any does: a rank with none skips the evaluation its
+    peers run, and they wait for it in the metrics' sync until the timeout (Lightning stops
+    that rank alone). Under strategy=fsdp (`fsdp`) every forward is a collective (each unit's
+    all-gather): a rank with one more eval batch than its peers would wait for good in an
+    all-gather they never issue. Refused in one line, with the fix: the setting the data
+    `source` names for a larger split (its `larger`), the batch sizes that give every rank as
+    many batches, fewer processes."""
     for loader in flat(loaders):
+        counted = eval_batches(loader)
+        if counted is not None and min(counted[1]) == 0 < max(counted[1]):
+            raise UserError(_no_batch(loader, stage, *counted, source))
+    for loader in flat(loaders) if fsdp else ():
         sampler = getattr(loader, "sampler", None)
         size = getattr(loader, "batch_size", None)
         if not isinstance(sampler, EvalShardSampler) or not size:
@@ -300,6 +321,18 @@ def same_eval_batches(loaders: Any, stage: str) -> None:
             f"{', '.join(map(str, nearest))} (data.batch_size for the shipped data), or "
             "strategy=ddp"
         )
+
+
+def _no_batch(loader: Any, stage: str, total: int, counts: list[int], source: Any) -> str:
+    """The line refusing a split that leaves some of the `counts` ranks without a batch."""
+    size, drop, world = units_per_batch(loader), getattr(loader, "drop_last", False), len(counts)
+    need, fewer = (world * size, total // size) if drop else (world, total)
+    larger = getattr(source, "larger", None)
+    fix = (callable(larger) and larger(stage, need)) or f"a {stage} split of {need} elements"
+    return (f"the {stage} split has {sum(counts)} batch(es) ({total} element(s) in batches of "
+            f"{size}) for {world} processes, so rank {counts.index(0)} would evaluate none while "
+            f"the others wait for it: use {fix}, or at most {fewer} process(es) (fewer "
+            "trainer.devices)")  # fmt: skip
 
 
 def _parts(loader: Any) -> list[Any]:

@@ -2,7 +2,8 @@
 
 - `resolve_topology` makes `trainer.devices` / `trainer.num_nodes` follow the launcher's
   environment (read by project.engine.launch.env), and stops every rank at start-up when an
-  explicit value contradicts it (never N silent copies).
+  explicit value contradicts it (never N silent copies), or asks for several nodes without a
+  launcher (never a silent wait for nodes nothing starts).
 - `build_strategy` gives a single-process run no DDP wrapper at all, and a multi-process run
   the DDPStrategy from the `strategy` config, checked against the hardware before `fit`.
 - `check_options` refuses, at start-up, DDP options that cannot work on this hardware or
@@ -76,11 +77,18 @@ def resolve_topology(trainer_cfg: DictConfig, env: Mapping[str, str] = os.enviro
     """Fill `devices`/`num_nodes` ("auto") from the launcher, or check explicit values against it.
 
     Without an external launcher "auto" means 1; `devices > 1` then makes Lightning start the
-    processes itself.
+    processes itself, on this node only: `num_nodes > 1` is refused (rank 0 would wait for
+    the other nodes' ranks, which nothing starts, for the whole process-group timeout).
     """
     launcher = detect_launcher(env)
     devices = _explicit_int(trainer_cfg.get("devices", "auto"), "trainer.devices")
     num_nodes = _explicit_int(trainer_cfg.get("num_nodes", "auto"), "trainer.num_nodes")
+    if launcher is None and (num_nodes or 1) > 1:
+        raise UserError(
+            f"trainer.num_nodes={num_nodes} needs a launcher on every node (plain python starts "
+            "processes on this node only): start each node with launch/multinode.sh "
+            "(docs/launching.md)"
+        )
     if launcher is not None:
         for key, asked, got, what, flag in (
             ("trainer.devices", devices, launcher.devices, "processes per node", launcher.flags[0]),

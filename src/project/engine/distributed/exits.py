@@ -14,10 +14,13 @@ import this module before anything heavy.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -63,7 +66,32 @@ def _said_on_this_node(line: str) -> bool:
         os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return True
+    except OSError:  # the folder went with the process that made it: say it
+        return False
     return False
+
+
+_own_folder: str | None = None  # the EXIT_DIR_ENV folder this process made for its ranks
+
+
+def say_once_for_my_ranks() -> None:
+    """Before this process starts the other ranks of its node itself (Lightning's own
+    launcher): they inherit a folder, so that an error line every rank prints is shown once,
+    as under project.launcher. Removed when this process exits (`exit_now` too)."""
+    global _own_folder
+    if os.environ.get(EXIT_DIR_ENV):  # project.launcher's, or the one rank 0 handed down
+        return
+    _own_folder = tempfile.mkdtemp(prefix="project-exit-")
+    os.environ[EXIT_DIR_ENV] = _own_folder
+    atexit.register(shutil.rmtree, _own_folder, ignore_errors=True)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code` at once, from any thread (the main one may wait inside a
+    C call that no exception reaches): no interpreter shutdown, as a kill would."""
+    if _own_folder is not None:
+        shutil.rmtree(_own_folder, ignore_errors=True)
+    os._exit(code)
 
 
 class Preempted(Exception):
@@ -99,7 +127,9 @@ def record_exit(code: int | str | None) -> None:
     """Tell the launcher this worker's exit code (also before an `os._exit`)."""
     folder = os.environ.get(EXIT_DIR_ENV)
     if folder and os.path.isdir(folder):
-        Path(folder, f"rank-{rank()}").write_text(str(code))
+        # A rank Lightning's launcher started can outlive rank 0, which removes the folder.
+        with contextlib.suppress(FileNotFoundError):
+            Path(folder, f"rank-{rank()}").write_text(str(code))
 
 
 def record_resume(command: str) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -19,11 +20,17 @@ from omegaconf import DictConfig, OmegaConf
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.distributed import ddp
-from project.engine.distributed.exits import Preempted
+from project.engine.distributed.exits import Preempted, exit_now, say_once_for_my_ranks
+from project.engine.distributed.hangs import is_peer_failure
 from project.engine.errors import UserError
 from project.engine.lightning.callbacks import FaultInjection, RunState, StepStatsCallback
 from project.engine.lightning.strategy import OneProcessShardedLast
-from project.engine.private_api import kill_launched_ranks
+from project.engine.private_api import (
+    kill_launched_ranks,
+    launched_ranks,
+    on_launched_rank_exit,
+    pause_child_observer,
+)
 from project.engine.run.console import quiet_lightning
 from project.engine.run.skeleton import Run
 
@@ -129,12 +136,47 @@ def best_checkpoint(trainer: pl.Trainer, run: Run) -> Any:
 def stops_as_preempted(trainer: pl.Trainer, run: Run) -> Iterator[None]:
     """Lightning's SIGTERMException (raised by RunState once every rank agreed to stop)
     becomes the skeleton's Preempted; on any other failure the ranks Lightning's own launcher
-    started are killed, so no rank is left behind (e.g. one hung while rank 0 timed out)."""
+    started are killed, so no rank is left behind (e.g. one hung while rank 0 timed out).
+    Such a rank that failed first (exit 2 after its one-line error) gives the job its code."""
+    if run.topology.launcher is None and run.topology.world_size > 1:  # Lightning starts them
+        say_once_for_my_ranks()  # every rank refusing alike: the line once
+        on_launched_rank_exit(end_with_launched_rank)
     try:
         yield
     except SIGTERMException:
         saved = None if trainer.fast_dev_run else run.checkpoints.last  # RunState.save
         raise Preempted(trainer.global_step, saved) from None
-    except BaseException:
+    except BaseException as err:
+        pause_child_observer()  # this rank ends the others now, with its own code or theirs
+        # A peer's closed connection reaches this rank just before the peer's exit does.
+        code = launched_rank_code(trainer, PEER_EXIT_S if is_peer_failure(err) else 0.0)
         kill_launched_ranks(trainer, signal.SIGKILL)
+        if code is not None:  # that rank said why (or printed its traceback): this is its echo
+            raise SystemExit(code) from None
         raise
+
+
+PEER_EXIT_S = 5.0  # how long a rank whose peer's connection closed waits for the peer's code
+
+
+def launched_rank_code(trainer: pl.Trainer, wait_s: float) -> int | None:
+    """The exit code of a rank Lightning's own launcher started that exited with one, waiting
+    up to `wait_s` for one to end; None if none did (or one was killed by a signal)."""
+    ranks, deadline = launched_ranks(trainer), time.monotonic() + wait_s
+    while True:
+        codes = [proc.poll() for proc in ranks]
+        if failed := [c for c in codes if c]:
+            return failed[0] if failed[0] > 0 else None
+        if None not in codes or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def end_with_launched_rank(ranks: list[Any], code: int) -> NoReturn:
+    """Lightning's watcher saw a rank it started exit with `code` while this rank 0 runs on
+    (e.g. waits for it to join the process group): the other ranks are killed, as Lightning
+    does, and this one exits with that code instead of SIGKILL's 137."""
+    for proc in ranks:
+        if proc.poll() is None:
+            proc.kill()
+    exit_now(code)

@@ -98,6 +98,7 @@ def shard_datamodule(
     Wraps the `*_dataloader` methods it defines; the rank and world size are read from the
     trainer when Lightning asks for the loaders.
     """
+    source = getattr(datamodule, "source", None)  # the template's: it names a larger split
     for stage in SPLITS:
         name = f"{stage}_dataloader"
         if not is_overridden(name, datamodule):
@@ -108,16 +109,33 @@ def shard_datamodule(
             trainer = datamodule.trainer
             world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
             loaders = sharding.shard_loaders(original(), stage, world, rank, seed)
-            if stage != "train" and world > 1 and hasattr(trainer.strategy, "shard"):
-                sharding.same_eval_batches(loaders, stage)  # strategy=fsdp
+            if stage != "train" and world > 1:  # a rank without a batch; unequal ones (fsdp)
+                fsdp = hasattr(trainer.strategy, "shard")
+                sharding.same_eval_batches(loaders, stage, fsdp, source)
             if stage == "train":
                 loaders = combine_train(loaders)  # several: each resumed by its own count
             if stage == "train" and trainer is not None:
+                check_evaluations(datamodule, trainer, cfg)
                 fit_to_run(loaders, trainer, position, keep_global_batch, cfg, command)
                 start_where_fit_resumes(loaders, trainer, position)
             return loaders
 
         setattr(datamodule, name, sharded)
+
+
+def check_evaluations(datamodule: pl.LightningDataModule, trainer: pl.Trainer,
+                      cfg: DictConfig | None) -> None:  # fmt: skip
+    """Before training, on several processes: the loaders of the splits this run will
+    evaluate, built (sharded) and checked now, not when Lightning asks for them (the test
+    split's after fit; validation's after an epoch without a sanity check): a rank without a
+    batch of one is refused before training, not after it."""
+    module, tests = trainer.lightning_module, bool(cfg is not None and cfg.get("test"))
+    evaluated = {"val": trainer.limit_val_batches != 0 and is_overridden("validation_step", module),
+                 "test": tests and trainer.limit_test_batches != 0
+                 and is_overridden("test_step", module)}  # fmt: skip
+    for stage, used in evaluated.items() if trainer.world_size > 1 else ():
+        if used and is_overridden(f"{stage}_dataloader", datamodule):
+            getattr(datamodule, f"{stage}_dataloader")()  # the sharded one: it checks them
 
 
 def fit_to_run(

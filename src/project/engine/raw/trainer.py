@@ -193,8 +193,11 @@ class RawTrainer(Checkpointing):
                             self.rank, self.cfg.seed)
             for s in SPLITS
         }  # fmt: skip
-        for s in SPLITS[1:] if self.fsdp else ():
-            sharding.same_eval_batches(self.loaders[s], s)
+        # Each split it evaluates: a rank without a batch (any strategy), unequal ones (fsdp).
+        for s in SPLITS[1:] if self.world > 1 else ():
+            evaluated = s == "val" or self.cfg.get("test", True)
+            if evaluated and self.cfg.trainer.get(f"limit_{s}_batches") != 0:
+                sharding.same_eval_batches(self.loaders[s], s, self.fsdp, source)
 
     def wrap_model(self) -> nn.Module:
         """DDP with the options the Lightning strategy config sets (keys after start_method go
