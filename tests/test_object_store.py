@@ -9,17 +9,20 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from project.engine.checkpoints.remote import RemoteLast, download_folder, fetch_checkpoint, probe
-from project.engine.checkpoints.resume import find_resume
+from project.engine.checkpoints.resume import Resume, find_resume
 from project.engine.checkpoints.sharded import names_save
 from project.engine.distributed.exits import EXIT_PREEMPTED
 from project.engine.errors import UserError
 from project.engine.launch.torchrun import TRAINERS
+from project.engine.run.skeleton import Run, checkpoint_to_test
 from tests.helpers import (
     POWERSGD,
     QUIET,
@@ -349,3 +352,89 @@ def test_a_missing_bucket_is_one_line_at_start(base_args, tmp_path: Path, s3: st
     code, out = finish(start(cmd), 120)
     assert code == 2, out[-3000:]
     assert "bucket 'no-such-bucket-here' does not exist" in one_error_line(out)
+
+
+# --- best checkpoints at a URL (callbacks.model_checkpoint.dirpath=s3://...) -----------------
+# Two short epochs. `mode=max`: the best is the first epoch's weights (the val loss falls), not
+# the ones in memory at the end, so a test of those in its place shows.
+BEST = ["trainer.max_epochs=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2",
+        "callbacks.early_stopping=null", "callbacks.model_checkpoint.mode=max"]  # fmt: skip
+
+
+@pytest.mark.quick
+def test_a_best_checkpoint_at_a_url_is_tested_from_a_fetched_copy(url, tmp_path) -> None:
+    """test_ckpt=best with the best at a URL: downloaded into the staging folder and tested
+    from there, also by a finished run that is only tested (its best read from its `last`);
+    none at the URL falls back to the weights in memory, as a missing local best does."""
+    fsspec.filesystem("memory").pipe_file(f"{url}/epoch_001.ckpt", b"best")
+    cfg = OmegaConf.create({"train": True, "test_ckpt": "best"})
+    fresh, finished = Resume(), Resume(tmp_path / "last.ckpt", finished=True)
+    runs = [Run(cfg, tmp_path, None, resume, SimpleNamespace(last=None))  # type: ignore[arg-type]
+            for resume in (fresh, finished)]  # fmt: skip
+    for run in runs:
+        chosen = checkpoint_to_test(run, f"{url}/epoch_001.ckpt")
+        assert chosen == tmp_path / "checkpoint_staging" / "best" / "epoch_001.ckpt"
+        assert chosen.read_bytes() == b"best"
+    assert checkpoint_to_test(runs[0], f"{url}/epoch_009.ckpt") is None
+
+
+def best_of_run(out: str, url: str, run_dir: Path) -> tuple[str, float]:
+    """A run whose best checkpoints go to `url` tested its best: the URL holds it (one file,
+    nothing in a local folder named `s3:`), the run downloaded it into its staging folder and
+    tested that copy. Returns its name and the run's test/loss."""
+    fs = fsspec.filesystem("s3")
+    (name,) = [p.rpartition("/")[2] for p in fs.ls(url, refresh=True)]
+    assert not (ROOT / "s3:").exists() and not (run_dir / "s3:").exists()
+    assert f"Fetched {url}/{name} into " in out, out[-3000:]
+    assert "Testing the current weights" not in out
+    staged = run_dir / "checkpoint_staging" / "best" / name
+    assert staged.read_bytes() == fs.cat_file(f"{url}/{name}")
+    return name, json.loads((run_dir / "metrics.json").read_text())["test/loss"]
+
+
+def eval_loss(base_args: list[str], ckpt: str, run_dir: Path) -> float:
+    """The test/loss eval.py gives the checkpoint `ckpt` (a URL), on one process."""
+    cmd = [sys.executable, "-m", "project.eval", *base_args, f"ckpt_path={ckpt}",
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
+    code, out = finish(start(cmd), 180)
+    assert code == 0, out[-3000:]
+    return logged_metrics(out)["test/loss"]  # printed to 5 significant digits
+
+
+def test_the_best_checkpoint_at_a_url_is_the_one_tested_in_both_trainers(
+    base_args, tmp_path: Path, s3: str
+) -> None:
+    """callbacks.model_checkpoint.dirpath=s3://... on one process: each trainer writes its
+    best to the bucket, and test_ckpt=best (the default) tests that checkpoint, fetched. The
+    test/loss is the one eval.py gives it (the raw trainer's: Lightning's, the two train
+    alike), not that of the weights in memory."""
+    tested = {}
+    for module in BOTH:
+        url, run_dir = f"{s3}/{module}", tmp_path / module
+        cmd = [sys.executable, "-m", module, *base_args, *BEST,
+               f"callbacks.model_checkpoint.dirpath={url}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+        code, out = finish(start(cmd), 180)
+        assert code == 0, out[-3000:]
+        tested[module] = best_of_run(out, url, run_dir)
+    name, loss = tested["project.train"]
+    assert name == "epoch_000.ckpt" and tested["project.raw_train"][0] == "best.pt"
+    assert loss == pytest.approx(tested["project.raw_train"][1], abs=1e-6)
+    evaluated = eval_loss(base_args, f"{s3}/project.train/{name}", tmp_path / "eval")
+    assert loss == pytest.approx(evaluated, rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_the_best_checkpoint_at_a_url_under_fsdp_is_written_there_and_tested(
+    base_args, log_dir: Path, tmp_path: Path, s3: str
+) -> None:
+    """strategy=fsdp on 2 processes: the best checkpoint (one file, the whole state gathered)
+    goes to the URL, never to a local folder named `s3:`, and is the one tested (eval.py
+    gives it the same test/loss on one process)."""
+    url = f"{s3}/best"
+    args = [*base_args, *BEST, "strategy=fsdp", f"callbacks.model_checkpoint.dirpath={url}"]
+    code, out = job("project.train", 2, args, "fsdp")
+    assert not (ROOT / "s3:" / url.removeprefix("s3://")).exists(), "written to a local folder"
+    assert code == 0, out[-3000:]
+    name, loss = best_of_run(out, url, log_dir / "train" / "runs" / "fsdp")
+    assert name == "epoch_000.ckpt"
+    assert loss == pytest.approx(eval_loss(base_args, f"{url}/{name}", tmp_path / "eval"), rel=1e-4)

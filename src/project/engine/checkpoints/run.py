@@ -33,7 +33,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from project.engine.checkpoints import LAST_PT, comm_hook_files
+from project.engine.checkpoints import comm_hook_files
 from project.engine.checkpoints.comm_hook_files import OK, UNREADABLE, agreed, one_line
 from project.engine.checkpoints.remote import STAGING, RemoteLast, exists, is_url, join, probe
 from project.engine.checkpoints.resume import callbacks_record, checkpoint_dir
@@ -137,13 +137,7 @@ class RunCheckpoints:
         self.periodic = bool((cfg.get("callbacks") or {}).get("fault_tolerance"))
         self.settings = FaultTolerance.of(cfg)  # with fault tolerance off: stop checks only
         best_url = ((cfg.get("callbacks") or {}).get("model_checkpoint") or {}).get("dirpath")
-        if is_url(best_url):  # Lightning's ModelCheckpoint writes there through fsspec
-            if last_name == LAST_PT:
-                raise UserError(
-                    f"callbacks.model_checkpoint.dirpath={best_url}: the raw trainer keeps "
-                    "best.pt in a local folder; give a local folder (its last.pt goes to "
-                    "callbacks.fault_tolerance.dirpath, which may be a URL)"
-                )
+        if is_url(best_url):  # the best checkpoints are written there through fsspec
             probe(str(best_url), "callbacks.model_checkpoint.dirpath")
         self.folder = checkpoint_dir(cfg, output_dir)
         name, dirpath = last_name or self.settings.filename, self.settings.dirpath
@@ -180,7 +174,10 @@ class RunCheckpoints:
             self.resume_last = folder if is_url(folder) else Path(folder)
         elif self.remote is not None:
             self.resume_last = self.fetch_published()
-        self.best = self.folder / "best.pt"  # the raw trainer's (Lightning's: ModelCheckpoint)
+        # the raw trainer's (Lightning's: ModelCheckpoint); at a URL written by rank 0 as one
+        # object, which a store shows once complete, and downloaded to be tested
+        self.best: Path | str = join(str(best_url), "best.pt") if is_url(best_url) else \
+            self.folder / "best.pt"  # fmt: skip
         self.finished = False  # set when training ends: `last` then says so
         self.metrics: dict[str, float] = {}  # the final fit metrics, with `finished`
 

@@ -8,6 +8,7 @@ import logging
 import signal
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from project.engine.checkpoints.remote import is_url
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.distributed import ddp
@@ -117,11 +119,10 @@ def check_one_last_checkpoint(callbacks: list[Any]) -> None:
             )
 
 
-def best_checkpoint(trainer: pl.Trainer, run: Run) -> Any:
+def best_checkpoint(trainer: pl.Trainer, run: Run) -> Path | str | None:
     """This run's best checkpoint: what ModelCheckpoint found in this attempt, or (a finished
-    run that is only tested) what its last checkpoint recorded."""
-    from pathlib import Path
-
+    run that is only tested) what its last checkpoint recorded. A URL stays one (a Path would
+    make s3://b/k the local s3:/b/k): skeleton.checkpoint_to_test downloads it."""
     if run.fits:
         best = getattr(trainer.checkpoint_callback, "best_model_path", None)
     elif run.resume.path is not None:
@@ -129,7 +130,9 @@ def best_checkpoint(trainer: pl.Trainer, run: Run) -> Any:
         best = next((s["best_model_path"] for s in states if s.get("best_model_path")), None)
     else:
         best = None
-    return Path(best) if best else None
+    if not best:
+        return None
+    return str(best) if is_url(best) else Path(best)
 
 
 @contextlib.contextmanager

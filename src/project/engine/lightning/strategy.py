@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStra
 from torch.distributed.fsdp import FSDPModule
 
 from project.engine.checkpoints import sharded
+from project.engine.checkpoints.remote import is_url
 from project.engine.checkpoints.sharded import ShardedLast
 from project.engine.config.compose import to_plain_tree
 from project.engine.distributed import ddp
@@ -191,6 +192,18 @@ class FSDPStrategy(ShardedLastWriter, ModelParallelStrategy):
         if loaded.own and loaded.mine is not None:  # each rank continues its own streams
             checkpoint["rng"] = loaded.mine["rng"]
         return checkpoint
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if not is_url(str(filepath)):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # A best-k at a URL (callbacks.model_checkpoint.dirpath=s3://...): ModelParallelStrategy
+        # would make it the local path s3:/... (Path(url)). The whole state is gathered already
+        # (save_distributed_checkpoint=False): rank 0 writes it through the checkpoint IO
+        # (fsspec), as DDPStrategy does. Every rank takes this branch: the URL is the config's.
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options)
 
     def shard(self, task: torch.nn.Module) -> None:
         """`fully_shard` the task's network (idempotent: configure_model runs again for test)."""

@@ -287,18 +287,37 @@ def fit_and_test_then_stop(
     return metrics
 
 
-def checkpoint_to_test(run: Run, best: Path | None) -> Path | None:
+def checkpoint_to_test(run: Run, best: Path | str | None) -> Path | None:
     """The weights `test` evaluates (`test_ckpt`), the same rule in both trainers:
 
-    - best / last: that checkpoint of this run when it exists;
+    - best / last: that checkpoint of this run when it exists (a best at a URL, as
+      callbacks.model_checkpoint.dirpath=s3://... makes it: its downloaded copy);
     - nothing trained in this attempt (train=false, or a finished run only tested): the
       checkpoint it started from;
     - else (current, or no such file): None, the weights in memory.
     """
+    from project.engine.checkpoints.remote import is_url
+
     which = run.cfg.get("test_ckpt") or "current"
     chosen = {"best": best, "last": run.checkpoints.last}.get(which)
-    if chosen is not None and chosen.is_file() and (run.cfg.train or run.resume.finished):
-        return chosen
+    if chosen is not None and (run.cfg.train or run.resume.finished):
+        found = fetched_best(run, str(chosen)) if is_url(chosen) else Path(chosen)
+        if found is not None and found.is_file():
+            return found
     if not run.fits:
         return run.resume.path
     return None
+
+
+def fetched_best(run: Run, url: str) -> Path | None:
+    """The best checkpoint at `url` in this node's staging folder (None: there is none):
+    `test` loads a local file on every rank. Read through remote.py, as a `ckpt_path` URL is;
+    a store that does not answer is one line, never a test of other weights."""
+    from project.engine.checkpoints.remote import STAGING, exists, fetch_checkpoint
+
+    if not exists(url):
+        return None
+    where = run.output_dir / STAGING / "best"
+    path = fetch_checkpoint(url, where, "callbacks.model_checkpoint.dirpath")
+    log.info(f"Fetched {url} into {path}")
+    return path
