@@ -20,11 +20,12 @@
 # (default 300: seconds to wait for every node before failing with a diagnosis),
 # MAX_RESTARTS (default 0), plus PYTHON, TRAINER, DRY_RUN from launch/common.sh.
 # Elastic membership (NNODES=MIN:MAX with c10d; docs/elastic.md): RDZV_LAST_CALL (default
-# 5; torch's 30: seconds a rendezvous waits for more nodes once MIN are there),
-# RDZV_KEEP_ALIVE (default 2; torch's 5: seconds between a node's heartbeats; a node silent
+# 3; torch's 30: seconds a rendezvous waits for more nodes once MIN are there),
+# RDZV_KEEP_ALIVE (default 1; torch's 5: seconds between a node's heartbeats; a node silent
 # for RDZV_KEEP_ALIVE_ATTEMPTS of them, default 3, is dead and dropped), MONITOR_INTERVAL
 # (default 0.1, torchrun's: seconds between the agent's looks at its workers and at
-# waiting nodes). With the defaults survivors train again ~15-35 s after a node dies.
+# waiting nodes). With the defaults survivors train again within seconds of a node's death
+# (python -m project.bench.recovery measures it).
 # Passed through untouched: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (the network interface
 # to use, e.g. eth0 or ib0), NCCL_DEBUG=INFO (what NCCL chose), TORCH_DISTRIBUTED_DEBUG.
 ''':'
@@ -48,8 +49,8 @@ nnodes="${NNODES:-1}" node_rank="${NODE_RANK:-0}" nproc="${NPROC_PER_NODE:-$(gpu
 [[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || die "NNODES=$nnodes must be N or MIN:MAX (whole numbers >= 1)"
 check_count NPROC_PER_NODE "$nproc"
 [[ "${MAX_RESTARTS:-0}" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$MAX_RESTARTS must be a whole number"
-rdzv_timeout="${RDZV_TIMEOUT:-300}" last_call="${RDZV_LAST_CALL:-5}"
-keep_alive="${RDZV_KEEP_ALIVE:-2}" attempts="${RDZV_KEEP_ALIVE_ATTEMPTS:-3}"
+rdzv_timeout="${RDZV_TIMEOUT:-300}" last_call="${RDZV_LAST_CALL:-3}"
+keep_alive="${RDZV_KEEP_ALIVE:-1}" attempts="${RDZV_KEEP_ALIVE_ATTEMPTS:-3}"
 monitor="${MONITOR_INTERVAL:-0.1}"
 check_count RDZV_TIMEOUT "$rdzv_timeout"
 check_count RDZV_LAST_CALL "$last_call"

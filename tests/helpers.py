@@ -35,7 +35,7 @@ CHARLM = ["experiment=charlm", "trainer.max_epochs=2", "trainer.limit_train_batc
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RUN_ID", "HYDRA_FULL_ERROR")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra})  # a test may set its own
     return env
 
 

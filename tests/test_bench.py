@@ -4,11 +4,13 @@ test_raw_parity.py)."""
 from __future__ import annotations
 
 import cProfile
+import json
 import re
 
 import pytest
 
 from project.bench.calls import calls_by_function, per_step
+from project.bench.recovery import PHASES
 from tests.helpers import run_script
 
 
@@ -90,3 +92,22 @@ def test_memory_bench_counts_each_ranks_state_and_fsdp_shards_it() -> None:
     # One unit is one of the two blocks: under half of the network, over a quarter.
     assert float(ddp[2]) / 4 < float(fsdp[7]) < float(ddp[2]) / 2, proc.stdout
     assert float(ddp[9]) > 0 and float(fsdp[9]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_recovery_bench_kills_a_node_and_times_the_survivors_return(data_dir, tmp_path) -> None:
+    """One drill under DDP: two nodes train, the second is killed, the survivor trains again
+    alone to the end; the table has every phase, and the total covers the phases in it."""
+    args = ["--repeats", "1", "--strategies", "ddp", "--keep", str(tmp_path),
+            f"paths.data_dir={data_dir}"]  # fmt: skip
+    proc = run_script("-m project.bench.recovery", args, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {k: float(v) for k, v in re.findall(r"^\| ([a-z ]+) \| ([\d.]+)", proc.stdout, re.M)}
+    assert list(rows) == list(PHASES), proc.stdout
+    parts = ("failure seen", "rendezvous", "worker start", "checkpoint reload", "first step")
+    assert rows["total"] >= sum(rows[p] for p in parts) - 0.05 > 0, rows
+    run = tmp_path / "ddp-0" / "logs" / "train" / "runs" / "torchrun-recovery"
+    goodput = json.loads((run / "goodput.json").read_text())
+    assert [a["how"] for a in goodput["attempts"]] == ["failed", "finished"], goodput
+    assert rows["steps again"] == goodput["recomputed_steps"]

@@ -229,7 +229,7 @@ def dry_run(script: str, *args: str, **env: str) -> str:
 
 
 # The rendezvous settings multinode.sh passes (docs/elastic.md), for a given RDZV_TIMEOUT.
-RDZV_CONF = ("join_timeout={0}\\,timeout={0}\\,last_call_timeout=5\\,keep_alive_interval=2"
+RDZV_CONF = ("join_timeout={0}\\,timeout={0}\\,last_call_timeout=3\\,keep_alive_interval=1"
              "\\,keep_alive_max_attempt=3")  # fmt: skip
 
 
@@ -442,8 +442,12 @@ if __name__ == "__main__":
     from lightning.fabric.utilities.rank_zero import rank_zero_only
     parent = open(f"/proc/{os.getppid()}/cmdline").read().replace("\\0", " ")
     own = os.getsid(0) == os.getpid()
+    import torch
+    from threadpoolctl import threadpool_info
+    blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     print(f"rank {os.environ['RANK']}: preloaded={PRELOADED} own_session={own} "
-          f"zero_only_rank={rank_zero_only.rank} argv={sys.argv[1:]} parent={parent}", flush=True)
+          f"zero_only_rank={rank_zero_only.rank} argv={sys.argv[1:]} "
+          f"threads={torch.get_num_threads()},{blas} parent={parent}", flush=True)
     if os.environ["RANK"] == "1" and sys.argv[1] == "raise":  # what the interpreter's exit does
         import atexit, threading, time
         atexit.register(print, "atexit ran", flush=True)
@@ -457,11 +461,13 @@ if __name__ == "__main__":
 """
 
 
-def probe_job(tmp_path: Path, module: str, *args: str, **env: str) -> tuple[int, str]:
-    """`python -m project.launcher --nproc-per-node=2 -m <module> args` with tmp_path on the
+def probe_job(
+    tmp_path: Path, module: str, *args: str, nproc: int = 2, **env: str
+) -> tuple[int, str]:
+    """`python -m project.launcher --nproc-per-node=N -m <module> args` with tmp_path on the
     path; (exit code, output)."""
     path = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    return finish(start(launcher(["-m", module, *args]), **path, **env), 120)
+    return finish(start(launcher(["-m", module, *args], nproc), **path, **env), 120)
 
 
 def test_warm_workers_are_forked_and_end_as_cold_ones_do(tmp_path) -> None:
@@ -492,6 +498,23 @@ def test_warm_workers_are_forked_and_end_as_cold_ones_do(tmp_path) -> None:
             assert "thread joined" in out and "atexit ran" in out, out
             assert Path(left).read_text() == "flushed at exit"
             Path(left).unlink()
+
+
+def test_a_one_process_node_forks_its_worker_with_a_cold_ones_threads(tmp_path) -> None:
+    """One process per node (the elastic drill's nodes) is forked warm too, so a restart
+    skips the imports. The warm process loads numpy's BLAS on one thread (its threads would
+    forbid the fork); the worker gets a cold one's count back, and torch's threads are a
+    cold one's (OMP_NUM_THREADS=2 here: torchrun sets it to 1 only for several processes)."""
+    (tmp_path / "warm_probe.py").write_text(WARM_PROBE)
+    lines = {}
+    for warm in ("1", "0"):
+        code, out = probe_job(tmp_path, "warm_probe", "0", nproc=1, PROJECT_WARM_START=warm,
+                              OMP_NUM_THREADS="2")  # fmt: skip
+        assert code == 0, out
+        (lines[warm],) = [ln for ln in out.splitlines() if ln.startswith("rank ")]
+        assert f"preloaded={warm == '1'}" in lines[warm], lines[warm]
+    threads = {warm: line.split("threads=")[1].split(" parent")[0] for warm, line in lines.items()}
+    assert threads["0"].startswith("2,[2") and threads["1"] == threads["0"], threads
 
 
 def test_an_entry_point_that_cannot_be_imported_is_one_line(tmp_path) -> None:

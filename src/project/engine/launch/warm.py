@@ -28,6 +28,7 @@ worker where the template knows them (Lightning's and torchmetrics' rank).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import pickle
 import select
@@ -50,6 +51,7 @@ STARTED_ENV = "PROJECT_WORKER_STARTED"
 HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
         signal.SIGUSR2)  # fmt: skip
 _HEADER = struct.Struct("!I")
+BLAS_ENV = "OPENBLAS_NUM_THREADS"
 
 
 class WarmStartError(Exception):
@@ -89,17 +91,21 @@ def worker_argv(args: Sequence[str]) -> list[str] | None:
 
 def start(args: Any) -> Zygote | None:
     """The node's warm process for torchrun's parsed `args`, started now so that its imports
-    overlap the rendezvous; None when workers start cold (PROJECT_WARM_START=0, --no-python,
-    --run-path, one process per node: nothing to share, and numpy's BLAS starts its threads
-    at import unless OMP_NUM_THREADS=1, which torchrun sets only for several)."""
+    overlap the rendezvous (and every restart forks its workers); None when workers start
+    cold (PROJECT_WARM_START=0, --no-python, --run-path)."""
     if os.environ.get(WARM_ENV) == "0" or args.no_python or args.run_path:
         return None
     from torch.distributed.run import determine_local_world_size
 
-    if determine_local_world_size(args.nproc_per_node) < 2:
-        return None
-    # torchrun's own rule, applied before libgomp and BLAS read it (once, as they load)
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    env = dict(os.environ)
+    if determine_local_world_size(args.nproc_per_node) > 1:
+        # torchrun's own rule for its workers, applied before libgomp reads it (as it loads)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    # numpy's BLAS (torch imports numpy) starts its threads as it loads, unless told to use
+    # one: here one, and each worker gets its own count back after the fork (blas_threads,
+    # through threadpoolctl; without it the threads make the workers start cold).
+    if importlib.util.find_spec("threadpoolctl") is not None:
+        env.setdefault(BLAS_ENV, "1")
     target = ["-m", args.training_script] if args.module else [args.training_script]
     return Zygote(target, env)
 
@@ -249,8 +255,6 @@ def preload(target: Sequence[str]) -> tuple:
     top level would run). A module that cannot be found, or imports one that cannot, is the
     job's one line; any other error at import (it may need the rank's environment, which
     this process lacks) starts the workers cold."""
-    import importlib
-
     entry = target[1] if target[0] == "-m" else None
     names = [entry, "torch"] if entry else ["torch"]
     for name in names:
@@ -389,9 +393,12 @@ def run_worker(argv: list[str], env: dict[str, str]) -> None:
 
     from project.engine.private_api import reread_import_time_env
 
+    blas_forced = BLAS_ENV not in env and os.environ.get(BLAS_ENV) == "1"
     os.environ.clear()
     os.environ.update(env)
     reread_import_time_env()
+    if blas_forced:
+        blas_threads(env)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()  # drawn anew, as a fresh process's global state is
@@ -410,6 +417,22 @@ def run_worker(argv: list[str], env: dict[str, str]) -> None:
         sys.excepthook(*sys.exc_info())
         raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def blas_threads(env: dict[str, str]) -> None:
+    """numpy's OpenBLAS, loaded in the zygote on one thread: the count a cold worker's would
+    start with (the first of GOTO_NUM_THREADS and OMP_NUM_THREADS the worker's environment
+    sets, as OpenBLAS reads them, else the CPUs it may run on). torch's own threads are not
+    BLAS's: libgomp read the worker's OMP_NUM_THREADS as it loaded, and starts them lazily."""
+    if "numpy" not in sys.modules:
+        return
+    counts = [env.get(k, "") for k in ("GOTO_NUM_THREADS", "OMP_NUM_THREADS")]
+    wanted = next((int(c) for c in counts if c.isdigit() and int(c) > 0), None)
+    wanted = wanted or len(os.sched_getaffinity(0))
+    if wanted > 1:
+        from threadpoolctl import threadpool_limits  # found by start()
+
+        threadpool_limits(limits=wanted, user_api="blas")
 
 
 if __name__ == "__main__":
