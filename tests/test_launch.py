@@ -517,6 +517,33 @@ def test_a_one_process_node_forks_its_worker_with_a_cold_ones_threads(tmp_path) 
     assert threads["0"].startswith("2,[2") and threads["1"] == threads["0"], threads
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--standalone", "--nproc-per-node=2", "-m", "project.train", "trainer.max_epochs=1"],
+        ["--nproc_per_node", "1", "--nnodes", "1:2", "--module", "project.raw_train", "-x"],
+        ["--rdzv-conf", "timeout=5", "--standalone", "train.py", "--nproc-per-node=4"],
+        ["--no-python", "--nproc-per-node=2", "launch/multinode.sh"],
+        ["--nproc-per-node=auto", "-m", "project.train"],
+        ["--max-restarts", "3", "--run_path", "train.py"],
+    ],
+)
+def test_the_warm_process_read_early_is_the_one_torchrun_parses(argv, monkeypatch) -> None:
+    """The launcher starts the warm process before torch's parser has read its arguments
+    (from early_plan) and keeps it only if torch's reading (plan_of) agrees; where the early
+    reading is unsure it starts none, and never a different one."""
+    from torch.distributed.run import parse_args
+
+    from project.engine.launch import warm
+
+    monkeypatch.delenv(warm.WARM_ENV, raising=False)
+    early = warm.early_plan(argv)
+    assert early is None or early == warm.plan_of(parse_args(argv)), (early, argv)
+    unsure = argv[0] == "--no-python" or "auto" in argv[0] or "--run_path" in argv
+    assert (early is None) == unsure, (early, argv)
+
+
 def test_an_entry_point_that_cannot_be_imported_is_one_line(tmp_path) -> None:
     (tmp_path / "broken_probe.py").write_text("import not_a_module_anywhere\n")
     code, out = probe_job(tmp_path, "broken_probe")

@@ -163,6 +163,16 @@ def launch(argv: list[str]) -> int:
     # The store's C++ client prints its socket errors with 30-frame C++ stacks when a node
     # leaves; the launcher says what happened in one line. Read once, as torch loads: the
     # workers get the user's own setting back.
+    # The warm process starts first: its imports overlap the launcher's own (torch's parser).
+    early = warm.start(warm.early_plan(argv))
+    try:
+        return _launch(argv, early)
+    finally:
+        if early is not None and early.proc.poll() is None:
+            early.discard()  # not taken: refused before any worker was asked for
+
+
+def _launch(argv: list[str], early: warm.Zygote | None) -> int:
     cpp_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_level or "ERROR"
     from torch.distributed import run as torchrun
@@ -195,7 +205,7 @@ def launch(argv: list[str]) -> int:
     # What the stop line and the hang report print after `RUN_ID=<id>` (the launch scripts
     # set the command as typed; a worker cannot see torchrun's arguments itself).
     os.environ.setdefault(COMMAND_ENV, shlex.join(["python", *sys.orig_argv[1:]]))
-    zygote = warm.start(args)  # workers forked from one process that imported torch once
+    zygote = warm.confirm(early, warm.plan_of(args))  # workers forked from one process
     if zygote is not None:
         warm_workers(SubprocessHandler, zygote.spawn)
     try:

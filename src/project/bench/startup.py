@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
 import json
 import os
 import statistics
@@ -35,6 +36,11 @@ SHORT = [
     *("trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=2"),
     *("test=false", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null"),
 ]
+# The launcher's warm process imports the entry module's WARM_IMPORTS before it forks the
+# workers: the child wrapper is the entry module here, so it names what the trainer it runs
+# names (the parent passes them in PRELOAD_ENV), and a worker starts as the trainer's would.
+PRELOAD_ENV = "PROJECT_BENCH_PRELOAD"
+WARM_IMPORTS = tuple(name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name)
 PHASES = (
     *("python start", "torch import", "Lightning import", "Hydra compose + config checks"),
     *("data", "process group", "sanity validation", "rest of set-up", "launch to first step"),
@@ -124,7 +130,9 @@ def run_once(trainer: str, nproc: int, overrides: list[str], work: Path) -> dict
     run_dir, marks_file = work / "run", work / "marks.json"
     args = [*SHORT, *overrides, "step_stats=true", f"hydra.run.dir={run_dir}"]
     wrapper = ["-m", "project.bench.startup", "--child", TRAINERS[trainer], str(marks_file)]
-    env = torchrun.environment(OMP_NUM_THREADS="1")
+    module = TRAINERS[trainer]
+    preload = [module, *importlib.import_module(module).WARM_IMPORTS]
+    env = torchrun.environment(OMP_NUM_THREADS="1", **{PRELOAD_ENV: ",".join(preload)})
     launched = time.time()
     torchrun.run_to_end([*wrapper, *args], nproc, f"{trainer} x{nproc}", env)
     # Imports torch: here, not in the child's timing.

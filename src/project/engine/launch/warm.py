@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 WARM_ENV = "PROJECT_WARM_START"  # "0": every worker starts as a new Python process
@@ -89,35 +90,87 @@ def worker_argv(args: Sequence[str]) -> list[str] | None:
     return list(args[2:]) if args[2] != "-m" or len(args) > 3 else None
 
 
-def start(args: Any) -> Zygote | None:
-    """The node's warm process for torchrun's parsed `args`, started now so that its imports
-    overlap the rendezvous (and every restart forks its workers); None when workers start
-    cold (PROJECT_WARM_START=0, --no-python, --run-path)."""
+# torchrun's options that take no value (torch.distributed.run's parser): early_plan's reading
+FLAGS = frozenset({"-h", "--help", "-m", "--module", "--no-python", "--no_python", "--run-path",
+                   "--run_path", "--standalone", "--virtual-local-rank",
+                   "--virtual_local_rank"})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the warm process depends on: the entry point, and whether the node runs several
+    processes (torchrun then sets OMP_NUM_THREADS=1, which libgomp reads as torch loads)."""
+
+    target: tuple[str, ...]  # ("-m", module) or (script,)
+    several: bool
+
+
+def plan_of(args: Any) -> Plan | None:
+    """The plan for torchrun's parsed `args`; None when workers start cold
+    (PROJECT_WARM_START=0, --no-python, --run-path)."""
     if os.environ.get(WARM_ENV) == "0" or args.no_python or args.run_path:
         return None
     from torch.distributed.run import determine_local_world_size
 
+    target = ("-m", args.training_script) if args.module else (args.training_script,)
+    return Plan(target, determine_local_world_size(args.nproc_per_node) > 1)
+
+
+def early_plan(argv: Sequence[str]) -> Plan | None:
+    """The plan read from torchrun's command line without torch's parser (importing it costs
+    the launcher a second before the warm process could start); None where unsure. The
+    launcher checks it against plan_of once torch has parsed the same arguments."""
+    flags, nproc, i = set(), "1", 0
+    while i < len(argv) and argv[i].startswith("-"):
+        name, eq, value = argv[i].partition("=")
+        if name in FLAGS:
+            flags.add(name.replace("_", "-"))
+            i += 1
+            continue
+        value, i = (value, i + 1) if eq else (argv[i + 1] if i + 1 < len(argv) else "", i + 2)
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            nproc = value
+    cold = {"--no-python", "--run-path"} & flags or os.environ.get(WARM_ENV) == "0"
+    if i >= len(argv) or cold or not nproc.isdigit() or "PET_NPROC_PER_NODE" in os.environ:
+        return None
+    module = {"-m", "--module"} & flags
+    return Plan(("-m", argv[i]) if module else (argv[i],), int(nproc) > 1)
+
+
+def start(plan: Plan | None) -> Zygote | None:
+    """The node's warm process for `plan`, started now so that its imports overlap the
+    rendezvous (and every restart forks its workers); None: workers start cold."""
+    if plan is None:
+        return None
     env = dict(os.environ)
-    if determine_local_world_size(args.nproc_per_node) > 1:
-        # torchrun's own rule for its workers, applied before libgomp reads it (as it loads)
+    if plan.several:  # torchrun's own rule for its workers, before libgomp reads it
         env.setdefault("OMP_NUM_THREADS", "1")
     # numpy's BLAS (torch imports numpy) starts its threads as it loads, unless told to use
     # one: here one, and each worker gets its own count back after the fork (blas_threads,
     # through threadpoolctl; without it the threads make the workers start cold).
     if importlib.util.find_spec("threadpoolctl") is not None:
         env.setdefault(BLAS_ENV, "1")
-    target = ["-m", args.training_script] if args.module else [args.training_script]
-    return Zygote(target, env)
+    return Zygote(plan, env)
+
+
+def confirm(early: Zygote | None, plan: Plan | None) -> Zygote | None:
+    """The warm process for torchrun's parsed arguments: the one started early when it was
+    started for the same plan, else (it is discarded) a new one."""
+    if early is not None and early.plan == plan:
+        return early
+    if early is not None:
+        early.discard()
+    return start(plan)
 
 
 class Zygote:
     """The agent's handle on its node's warm process: start it, fork workers, learn their ends."""
 
-    def __init__(self, target: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(self, plan: Plan, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair()
-        self.started = time.time()
+        self.plan, self.started = plan, time.time()
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", __name__, str(theirs.fileno()), *target],
+            [sys.executable, "-u", "-m", __name__, str(theirs.fileno()), *plan.target],
             env=env, pass_fds=(theirs.fileno(),),
         )  # fmt: skip
         theirs.close()
@@ -192,6 +245,12 @@ class Zygote:
             else:
                 self.state = message
             timeout = 0
+
+    def discard(self) -> None:
+        """End a warm process that forked nothing (it may still be importing)."""
+        self.sock.close()
+        self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
         """End the warm process (workers it forked and that still run are left to the agent)."""
