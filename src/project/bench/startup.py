@@ -4,7 +4,8 @@
 
 Runs `python -m project.train` and `python -m project.raw_train` on 1 process and as 2-process
 torchrun jobs, with step_stats=true and a short run, and prints the median of each phase on
-rank 0: python start (under torchrun: the agent's own start-up too), torch import, Lightning
+rank 0: python start (under torchrun: the agent's own start-up too; with the launcher's warm
+start, also the warm process's imports, which the worker then skips), torch import, Lightning
 import, Hydra import + compose + the template's config checks, data preparation, process-group
 set-up, the sanity validation, and the rest (model, callbacks, loggers, trainer objects,
 checkpoint lookup; for the raw trainer also the imports of its own modules, torchmetrics and
