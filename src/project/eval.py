@@ -29,13 +29,15 @@ def load_checkpoint(path: str | None, staging: Path | None = None) -> dict[str, 
     A URL (s3://...) is downloaded into `staging` first. A sharded save (strategy=fsdp's
     `last`: its folder, or the `last` its manifest publishes) is gathered whole on each
     process, as `python -m project.consolidate` writes it."""
-    from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url
+    from project.engine.checkpoints.remote import STAGING, answers, fetch_checkpoint, is_url
     from project.engine.checkpoints.sharded import names_save
     from project.engine.checkpoints.state import read_checkpoint
     from project.engine.checkpoints.whole import consolidated
 
     if path is None:
         raise UserError("ckpt_path is required: python eval.py ckpt_path=/path/to/last.ckpt")
+    if is_url(path):
+        answers(path, "ckpt_path")  # a silent store: one line, not names_save's wait
     if names_save(path):
         ckpt = consolidated(path, "ckpt_path")
     else:

@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
 
 from project.data.remote.cache import PREPARE, ShardCache
 from project.data.source import save_array
-from project.engine.errors import UserError, storage_missing
+from project.engine.errors import UserError
+from project.engine.store import answered, open_store, storage_missing
 
 INDEX = "index.json"
 FORMAT = "project-shards/1"
@@ -63,14 +63,15 @@ def read_index(folder: str) -> dict[str, Any]:
 
 def _read_index(folder: str) -> dict[str, Any]:
     try:
-        fs, root = fsspec.core.url_to_fs(folder)
+        fs, root = open_store(folder)
     except ImportError as err:  # fsspec knows the store (gs://): its package is missing
         raise UserError(f"the shard folder {folder}: {storage_missing(folder, err)}") from None
-    if not fs.exists(root):
+    # Each call answers within the store's time or is one line (a store that never answers).
+    if not answered(fs, folder, lambda: fs.exists(root)):
         raise UserError(f"the shard folder {folder} does not exist: write it with {PREPARE}")
+    where = f"{root}/{INDEX}"
     try:
-        with fs.open(f"{root}/{INDEX}") as f:
-            index = json.load(f)
+        index = json.loads(answered(fs, f"{folder}/{INDEX}", lambda: fs.cat_file(where)))
     except FileNotFoundError:
         raise UserError(
             f"the shard folder {folder} has no {INDEX} (empty, or its writing was cut short): "
@@ -80,7 +81,8 @@ def _read_index(folder: str) -> dict[str, Any]:
         raise UserError(f"{folder}/{INDEX} is not valid JSON ({err}): write it again") from None
     if index.get("format") != FORMAT or not index.get("shards"):
         raise UserError(f"{folder}/{INDEX} lists no shards of {FORMAT}: write it with {PREPARE}")
-    sizes = {Path(p).name: s for p, s in ((p, fs.size(p)) for p in fs.glob(f"{root}/*.npy"))}
+    listed = answered(fs, folder, lambda: fs.glob(f"{root}/*.npy", detail=True))  # one listing
+    sizes = {Path(p).name: info["size"] for p, info in listed.items()}
     for entry in index["shards"]:
         found = sizes.get(entry["file"])
         if found != entry["bytes"]:

@@ -41,9 +41,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import fsspec
-
 from project.engine.errors import UserError
+from project.engine.store import open_store, transferred
 
 PREPARE = "python -m project.data.prepare"
 READERS = ".readers"
@@ -174,6 +173,8 @@ class ShardCache:
                     os.replace(tmp, target)  # atomic: the name appears only once the copy is whole
                     return
                 problem = f"it arrived with {got} bytes, the index says {size}"
+            except UserError:  # a store that gave no answer: its client has retried already
+                raise
             except Exception as err:  # the store, the network, credentials: tried again
                 problem = f"{type(err).__name__}: {err}"
             finally:
@@ -185,9 +186,10 @@ class ShardCache:
         )
 
     def fetch(self, url: str, local: str) -> None:
-        """Download `url` to the local file `local` (one try)."""
-        fs, path = fsspec.core.url_to_fs(url)
-        fs.get_file(path, local)
+        """Download `url` to the local file `local` (one try; one UserError when the store does
+        not answer)."""
+        fs, path = open_store(url)
+        transferred(fs, url, lambda progress: fs.get_file(path, local, callback=progress))
 
     # --- what the node still needs, and eviction -------------------------------------------------
     def reader(self) -> Path:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from project.engine.errors import UserError, storage_missing
+from project.engine.errors import UserError
+from project.engine.store import answered, open_store, storage_missing, transferred
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +60,34 @@ def exists(path: str) -> bool:
         return Path(path).is_file()
     fs, inner = open_url(path, "checkpoint")
     try:
-        return fs.info(inner).get("type") == "file"
+        return answered(fs, path, lambda: fs.info(inner)).get("type") == "file"
     except FileNotFoundError:
         return False
+    except UserError:  # a store that does not answer
+        raise
     except Exception as err:
         raise UserError(f"{path} cannot be read ({short(err)}): check the credentials and the "
                         "URL") from None  # fmt: skip
 
 
-def open_url(url: str, what: str) -> tuple[Any, str]:
-    """(filesystem, path inside it) of `url`, or one line: the fsspec extra to install (a
-    missing s3fs), or the scheme fsspec does not know."""
-    import fsspec
-
+def answers(url: str, what: str) -> None:
+    """The store of `url` answers at all (a refusal or a missing object is an answer too), or
+    one line: before look-ups the project does not watch itself (the sharded ones: fsspec's
+    isfile says False on any error, after minutes of retries against a silent store)."""
+    fs, inner = open_url(url, what)
     try:
-        return fsspec.core.url_to_fs(url)
+        answered(fs, url, lambda: fs.info(inner))
+    except UserError:
+        raise
+    except Exception:  # an answer all the same: what it means is for the look-ups to say
+        return
+
+
+def open_url(url: str, what: str) -> tuple[Any, str]:
+    """(filesystem, path inside it) of `url` (store.open_store), or one line: the fsspec
+    extra to install (a missing s3fs), or the scheme fsspec does not know."""
+    try:
+        return open_store(url)
     except ImportError as err:  # fsspec knows the class: its package is the one to install
         missing = storage_missing(url, err)
         raise UserError(f"{what}={url}: {missing} (nothing was written)") from None
@@ -98,8 +112,10 @@ def probe(url: str, what: str) -> None:
     credentials = "check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)"
     if bucket:
         try:
-            found = fs.exists(bucket)
-        except Exception as err:  # a refused request, an endpoint that does not answer
+            found = answered(fs, url, lambda: fs.exists(bucket))
+        except UserError:  # an endpoint that does not answer
+            raise
+        except Exception as err:  # a refused request
             raise UserError(f"{what}={url}: its bucket cannot be read ({short(err)}): "
                             f"{credentials} and AWS_ENDPOINT_URL") from None  # fmt: skip
         if not found:
@@ -109,13 +125,21 @@ def probe(url: str, what: str) -> None:
             )
     marker = join(root, f".write-probe-{uuid.uuid4().hex[:12]}")
     try:
-        fs.makedirs(root, exist_ok=True)  # a local or mounted folder (object stores: no-op)
-        fs.pipe_file(marker, b"")
-        fs.rm_file(marker)
+        answered(fs, url, lambda: write_probe(fs, root, marker))
+    except UserError:
+        raise
     except Exception as err:
         fix = f"{credentials} and that they may write there" if bucket else (
             "check that it is a folder this user may write to")  # fmt: skip
         raise UserError(f"{what}={url} is not writable ({short(err)}): {fix}") from None
+
+
+def write_probe(fs: Any, root: str, marker: str) -> None:
+    """`root` takes a write (raises otherwise): `marker`, an empty object, written and removed
+    again."""
+    fs.makedirs(root, exist_ok=True)  # a local or mounted folder (object stores: no-op)
+    fs.pipe_file(marker, b"")
+    fs.rm_file(marker)
 
 
 @contextlib.contextmanager
@@ -135,7 +159,7 @@ def download(fs: Any, source: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.download")
     try:
-        fs.get_file(source, str(tmp))
+        transferred(fs, source, lambda progress: fs.get_file(source, str(tmp), callback=progress))
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -146,7 +170,8 @@ def download_folder(url: str, target: Path) -> None:
     it, not in a subfolder); one line when that fails, a full disk too."""
     fs, path = open_url(url, "the checkpoint folder")
     try:
-        fs.get(path, str(target), recursive=True)
+        transferred(fs, url, lambda progress: fs.get(path, str(target), recursive=True,
+                                                     callback=progress))  # fmt: skip
         if not target.is_dir() or not any(target.iterdir()):  # some stores list no folder
             raise FileNotFoundError(path)
     except FileNotFoundError:
@@ -154,6 +179,8 @@ def download_folder(url: str, target: Path) -> None:
             f"{url} holds no files (removed meanwhile?): continue from another "
             "save with ckpt_path=..., or start a new run (another RUN_ID)"
         ) from None
+    except UserError:  # a store that does not answer
+        raise
     except Exception as err:
         raise UserError(f"{url} cannot be copied into {target.parent} ({short(err)}): check "
                         "the URL, its credentials and the free space there") from None  # fmt: skip
@@ -182,8 +209,9 @@ class RemoteLast:
         return join(self.root, f"{self.name}.g{generation:06d}")
 
     def read_manifest(self) -> dict[str, Any] | None:
+        path = self.manifest_path
         try:
-            return json.loads(self.fs.cat_file(self.manifest_path))
+            return json.loads(answered(self.fs, path, lambda: self.fs.cat_file(path)))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as err:
@@ -211,6 +239,8 @@ class RemoteLast:
             for name in [n for n in names if n not in held["files"]]:
                 try:
                     download(self.fs, join(source, name), self.staging / name)
+                except UserError:  # a store that does not answer
+                    raise
                 except Exception as err:
                     raise UserError(
                         f"{join(self.url, self.name)}.json publishes {name}, which cannot be "
@@ -268,7 +298,8 @@ def fetch_checkpoint(url: str, staging: Path, what: str) -> Path:
     fs, path = open_url(url, what)
     folder, _, name = url.rstrip("/").rpartition("/")
     with locked(staging):
-        if not fs.isfile(path) and fs.isfile(f"{path}.json"):
+        # isfile says False on any error: a store that does not answer must not read as none
+        if answered(fs, url, lambda: not fs.isfile(path) and fs.isfile(f"{path}.json")):
             last = RemoteLast(folder, name, staging)
             source = join(last.folder(last.generation), name)
         else:
@@ -278,6 +309,8 @@ def fetch_checkpoint(url: str, staging: Path, what: str) -> Path:
             download(fs, source, target)
         except FileNotFoundError:
             raise UserError(f"{what}={url} does not exist: give a checkpoint file") from None
+        except UserError:  # a store that does not answer
+            raise
         except Exception as err:
             raise UserError(f"{what}={url} cannot be downloaded ({short(err)}): check the "
                             "credentials and the URL") from None  # fmt: skip

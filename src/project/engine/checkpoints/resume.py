@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from project.engine.checkpoints.remote import STAGING, fetch_checkpoint, is_url, join
+from project.engine.checkpoints.remote import STAGING, answers, fetch_checkpoint, is_url, join
 from project.engine.checkpoints.state import read_checkpoint
 from project.engine.config.compose import to_plain
 from project.engine.errors import UserError
@@ -199,6 +199,7 @@ def find_resume(
     if explicit and is_url(explicit):
         from project.engine.checkpoints.sharded import names_save  # torch: when needed
 
+        answers(str(explicit), "ckpt_path")  # a silent store: one line, not names_save's wait
         if names_save(str(explicit)):  # a folder of shards: nothing to download
             raise UserError(
                 f"ckpt_path={explicit} is a sharded save (strategy=fsdp's, a folder of shards): "
