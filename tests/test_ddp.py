@@ -75,6 +75,9 @@ def test_several_nodes_without_a_launcher_are_refused(devices) -> None:
         ddp.resolve_topology(trainer_cfg(devices=devices, num_nodes=2), env={})
     assert "launch/multinode.sh" in str(err.value)
     assert ddp.resolve_topology(trainer_cfg(devices=devices, num_nodes=1), env={}).num_nodes == 1
+    # Lightning's own multi-node start: NODE_RANK and MASTER_ADDR set by hand on each node
+    by_hand = {"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert ddp.resolve_topology(trainer_cfg(devices=devices, num_nodes=2), env=by_hand)
 
 
 @pytest.mark.parametrize("bad", ["two", 0, -3])

@@ -135,8 +135,11 @@ def elastic_node(base_args, tmp_path):
     folder) training on ROWS recorded rows (reads-try<restart>-rank<R>.txt in tmp_path);
     the first one hosts the rendezvous store."""
     port = free_port()
+    # A last call of 6 s (the script's default: 3 s): the second node's agent, started once
+    # the first hosts the store, joins the first round also on a loaded machine.
     env = {"NNODES": "1:2", "NPROC_PER_NODE": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}",
-           "RDZV_ID": "elastic", "MAX_RESTARTS": "3", "RECORD_TAG": "try{restart}"}  # fmt: skip
+           "RDZV_ID": "elastic", "MAX_RESTARTS": "3", "RECORD_TAG": "try{restart}",
+           "RDZV_LAST_CALL": "6"}  # fmt: skip
     nodes: list[Node] = []
     data = recorded_data(tmp_path, ROWS)
 
@@ -170,7 +173,7 @@ def test_a_dead_node_is_left_behind_and_the_survivor_resumes(
     assert "next: torchrun restarts the job (restart 1 of 3)" in out, out[-4000:]
     assert re.search(
         r"launcher: the workers failed: restart 1 of 3, waiting for the nodes: a "
-        r"node whose heartbeats stopped is left out after <= 3 s, then 3 s",
+        r"node whose heartbeats stopped is left out after <= 3 s, then 6 s",
         out,
     ), out[-4000:]
     assert not alive(host.pids | other.pids)
@@ -222,11 +225,13 @@ def test_when_the_store_host_dies_the_survivor_says_so_in_one_line(
 
 
 def test_a_busy_machine_leaves_no_node_out(elastic_node, log_dir) -> None:
-    """Both cores busy with other work all along: two nodes with the launch script's
-    heartbeats (a node silent for 3 s is left out) train to the end without a restart."""
+    """Both cores busy with other work while two nodes train (from their first save on): with
+    the launch script's heartbeats (a node silent for 3 s is left out) they train to the end
+    without a restart."""
+    host, other = elastic_node(), elastic_node()
+    saved_mid_epoch(log_dir, host)  # both in one round, training (the start is not the test)
     busy = [start([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
-        host, other = elastic_node(), elastic_node()
         codes = host.finish(timeout=240), other.finish(timeout=60)
     finally:
         for proc in busy:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from project.engine.distributed import exits
 from project.engine.distributed.signals import STOP_SIGNALS
@@ -320,8 +321,16 @@ def test_launcher_arguments_torch_asserts_on_are_one_line() -> None:
         assert error(f"--nnodes={nnodes}") == f"--nnodes={nnodes} {within}"
     assert error("--max-restarts=-1") == "--max-restarts=-1 must be a whole number >= 0"
     assert error("--monitor-interval=0") == "--monitor-interval=0.0 must be a number of seconds > 0"
+    for nproc in ("two", "2.5"):  # torch's ValueError, as a traceback, once it ran
+        assert error(f"--nproc-per-node={nproc}") == (
+            f"--nproc-per-node={nproc} must be a whole number >= 1, or auto, cpu or gpu "
+            f"(Unsupported nproc_per_node value: {nproc})"
+        )
+    gpu = ["--standalone", "--nproc-per-node=gpu", "--max-restarts=0"]
+    if not torch.cuda.is_available():  # gpu counts this machine's GPUs
+        assert "(Cuda is not available.)" in (error(*gpu) or ""), error(*gpu)
     for fine in (["--nnodes=2", "--nproc-per-node=8"], ["--nnodes=1:4", "--nproc-per-node=auto"],
-                 ["--standalone", "--nproc-per-node=gpu", "--max-restarts=0"]):  # fmt: skip
+                 *([gpu] if torch.cuda.is_available() else [])):  # fmt: skip
         assert error(*fine) is None, fine
 
 

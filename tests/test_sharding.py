@@ -490,6 +490,8 @@ def test_the_text_sources_name_the_least_fraction_that_gives_a_split_its_windows
     fraction = float(re.search(r"prepare --val-fraction ([0-9.]+) for the same corpus", hint)[1])
     assert prepare(None, tmp_path / "two", 64, 1024, fraction, 0.05)["val"] == 2
     assert prepare(None, tmp_path / "less", 64, 1024, fraction - 1e-5, 0.05)["val"] == 1
+    # more than a split beside the training one can hold: no fraction is offered
+    assert CharCorpus().larger("val", 10**9) is None
 
 
 @pytest.mark.distributed

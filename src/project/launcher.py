@@ -8,7 +8,8 @@ the failure handling a training job needs, which torchrun lacks:
   only repeat the error, or train on while the scheduler is taking the machine away.
 - One exit code that means one thing: 0 finished (also when a signal came after training had
   finished), 143 stopped by a signal (rerun to resume; SLURM requeues on it), 2 bad input,
-  124 the ranks stopped making progress (rank 0 printed the hang report), 1 anything else,
+  124 the ranks stopped making progress (rank 0 printed the hang report), 75 a save the disk
+  or store refused (said in one line; restarted like a crash), 1 anything else,
   with one line naming the failed rank and how it ended instead of torchrun's 25-40 line
   error report.
 - SIGUSR1 and SIGUSR2 (SLURM's early warning: the sbatch recipe's and submitit's) are
@@ -44,6 +45,7 @@ from project.engine.distributed.exits import (
     EXIT_HUNG,
     EXIT_OK,
     EXIT_PREEMPTED,
+    EXIT_TEMPFAIL,
     NO_RESTART,
     recorded_resume,
     worker_exits,
@@ -66,11 +68,13 @@ log = logging.getLogger("project.launcher")  # not __name__: run as a script it 
 
 class _QuietExpectedExits(logging.Filter):
     """torchrun logs an error line for every failed worker; for exit 2 (the worker printed
-    its one-line error), 124 (a hang report) and 143 (a coordinated stop) it only adds noise."""
+    its one-line error), 75 (a save refused, said in one line), 124 (a hang report) and 143
+    (a coordinated stop) it only adds noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(f"(exitcode: {code})" in message for code in (*NO_RESTART, EXIT_HUNG))
+        said = (*NO_RESTART, EXIT_HUNG, EXIT_TEMPFAIL)
+        return not any(f"(exitcode: {code})" in message for code in said)
 
 
 def _failure_line(failures: dict[int, Any]) -> str:
@@ -145,10 +149,13 @@ def argument_error(args: Any) -> str | None:
         nodes_ok = False
     if not nodes_ok:
         return f"--nnodes={args.nnodes} must be N or MIN:MAX, whole numbers with 1 <= MIN <= MAX"
-    try:
-        nproc_ok = int(args.nproc_per_node) >= 1
-    except ValueError:  # auto, cpu, gpu, ...: torch's own answer
-        nproc_ok = True
+    from torch.distributed.run import determine_local_world_size
+
+    try:  # what torchrun makes of it (auto, cpu, gpu: counted on this machine)
+        nproc_ok = determine_local_world_size(args.nproc_per_node) >= 1
+    except ValueError as err:  # two, 2.5, gpu without CUDA
+        return (f"--nproc-per-node={args.nproc_per_node} must be a whole number >= 1, or auto, "
+                f"cpu or gpu ({err})")  # fmt: skip
     if not nproc_ok:
         return f"--nproc-per-node={args.nproc_per_node} must be a whole number >= 1 (or auto)"
     if args.max_restarts < 0:
@@ -216,7 +223,7 @@ def _launch(argv: list[str], early: warm.Zygote | None) -> int:
             return _signalled(state["signal"], folder)
         # The first failure is the cause; the agent then stops the other workers (SIGTERM).
         first = min(err.failures.values(), key=lambda f: f.timestamp)
-        if first.exitcode in (*NO_RESTART, EXIT_HUNG):  # the workers said why themselves
+        if first.exitcode in (*NO_RESTART, EXIT_HUNG, EXIT_TEMPFAIL):  # the workers said why
             return first.exitcode
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
         return EXIT_FAILED

@@ -85,7 +85,8 @@ class Digits(DataSource):
     def larger(self, split: str, elements: int) -> str | None:
         if split == "train":
             return None
-        return f"data.dataset.{split}_fraction={least_fraction(self.size(), elements)} or more"
+        fraction = least_fraction(self.size(), elements)
+        return fraction and f"data.dataset.{split}_fraction={fraction} or more"
 
     def dataset(self, split: str) -> Dataset:
         n = self.size()

@@ -98,9 +98,12 @@ def split_indices(
     return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
 
 
-def least_fraction(n: int, count: int) -> float:
+def least_fraction(n: int, count: int) -> float | None:
     """The least fraction f of `n`, in two significant digits, with round(n * f) >= count:
-    how `split_indices` and project.data.text size a split."""
+    how `split_indices` and project.data.text size a split; None when no split of `n` can
+    hold `count` beside a training split (f would reach 1/2)."""
+    if 2 * count >= n:
+        return None
     f = (count - 0.5) / n
     digits = 1 - math.floor(math.log10(f))  # f's first two significant digits
     f = round(math.ceil(f * 10**digits) / 10**digits, digits)

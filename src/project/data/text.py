@@ -140,7 +140,7 @@ class CharCorpus(DataSource):
         if split == "train":
             return None
         fraction = least_fraction(len(self.tokens), elements * self.block_size + 1)  # Windows
-        return f"data.dataset.{split}_fraction={fraction} or more"
+        return fraction and f"data.dataset.{split}_fraction={fraction} or more"
 
     def splits(self) -> dict[str, np.ndarray]:
         return {s: self.tokens[a:b] for s, (a, b) in self.bounds().items()}

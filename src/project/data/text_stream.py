@@ -158,7 +158,7 @@ class CharStream(DataSource):
         tokens = sum(sum(e["elements"] for e in index["shards"]) * block + 1
                      for index in self.indexes.values())  # fmt: skip
         fraction = least_fraction(tokens, elements * block + 1)
-        return (
+        return fraction and (
             f"shards prepared again with a larger {split} split (python -m "
             f"project.data.prepare --{split}-fraction {fraction} for the same corpus)"
         )

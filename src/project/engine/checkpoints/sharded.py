@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from project.engine.checkpoints.remote import exists, is_url, join, open_url, short
 from project.engine.checkpoints.state import atomic_save
+from project.engine.distributed.exits import TemporaryFailure
 from project.engine.errors import UserError
 
 FORMAT = "dcp"  # the manifest's "format": what wrote the folder it names
@@ -415,11 +416,11 @@ class ShardedLast:
 
     def agree(self, ok: bool, failure: str) -> None:
         """Every rank: whether every rank is `ok`; where one is not, every rank stops with
-        the first failing rank's line (one line, exit 2, as a run folder that cannot be
-        written: the environment's fault, which a restart would meet again)."""
+        the first failing rank's line (one line, exit 75: a full disk or a store's refusal may
+        pass, and `last` is intact, so --max-restarts retries it as a crash)."""
         if self.world == 1:
             if not ok:
-                raise UserError(failure)
+                raise TemporaryFailure(failure)
             return
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
         dist.all_reduce(flag, group=self.group)
@@ -427,7 +428,7 @@ class ShardedLast:
             return
         lines: list[str] = [""] * self.world
         dist.all_gather_object(lines, "" if ok else failure, group=self.group)
-        raise UserError(next(line for line in lines if line))
+        raise TemporaryFailure(next(line for line in lines if line))
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Whole or not at all: a temp file renamed over it (local), one PUT (object store)."""

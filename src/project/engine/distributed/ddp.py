@@ -83,7 +83,11 @@ def resolve_topology(trainer_cfg: DictConfig, env: Mapping[str, str] = os.enviro
     launcher = detect_launcher(env)
     devices = _explicit_int(trainer_cfg.get("devices", "auto"), "trainer.devices")
     num_nodes = _explicit_int(trainer_cfg.get("num_nodes", "auto"), "trainer.num_nodes")
-    if launcher is None and (num_nodes or 1) > 1:
+    # Lightning's own multi-node start (NODE_RANK and MASTER_ADDR set by hand on each node) and
+    # its MPI and LSF environments start the other nodes' processes: only a bare run is refused.
+    by_hand = any(key in env for key in ("NODE_RANK", "GROUP_RANK", "OMPI_COMM_WORLD_SIZE",
+                                         "PMI_SIZE", "LSB_JOBID"))  # fmt: skip
+    if launcher is None and (num_nodes or 1) > 1 and not by_hand:
         raise UserError(
             f"trainer.num_nodes={num_nodes} needs a launcher on every node (plain python starts "
             "processes on this node only): start each node with launch/multinode.sh "

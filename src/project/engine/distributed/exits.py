@@ -30,6 +30,8 @@ from project.engine.launch.env import rank
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: a failure the ranks said in one line that may not
+# happen again (a save the disk or the object store refused): restarted like a crash
 EXIT_HUNG = 124
 EXIT_PREEMPTED = 143
 NO_RESTART = (EXIT_BAD_INPUT, EXIT_PREEMPTED)  # a restart would repeat the error, or fight the
@@ -92,6 +94,11 @@ def exit_now(code: int) -> NoReturn:
     if _own_folder is not None:
         shutil.rmtree(_own_folder, ignore_errors=True)
     os._exit(code)
+
+
+class TemporaryFailure(Exception):
+    """What the run could not do this time, the previous state intact (a save refused: `last`
+    is still the one before): one line, exit EXIT_TEMPFAIL, which --max-restarts retries."""
 
 
 class Preempted(Exception):

@@ -413,8 +413,9 @@ def end_leftovers(pid: int) -> None:
     """A worker that failed: SIGKILL what it left in its process group (its DataLoader fork
     server and workers, a stuck subprocess) before a restart forks the next set. A cold
     worker's leftovers end on their own within seconds; a warm restart is quicker than that.
-    Safe from a reused pid: the worker is still this process's zombie, its number held."""
-    if ended(pid):
+    Not after a stop (143: every rank saved and left in order) or a finish. Safe from a
+    reused pid: the worker is still this process's zombie, its number held."""
+    if ended(pid) not in (None, 0, 143):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 
@@ -489,9 +490,10 @@ def blas_threads(env: dict[str, str]) -> None:
     wanted = next((int(c) for c in counts if c.isdigit() and int(c) > 0), None)
     wanted = wanted or len(os.sched_getaffinity(0))
     if wanted > 1:
-        from threadpoolctl import threadpool_limits  # found by start()
+        from threadpoolctl import ThreadpoolController  # found by start()
 
-        threadpool_limits(limits=wanted, user_api="blas")
+        # OpenBLAS only: OPENBLAS_NUM_THREADS=1 held back no other library's threads
+        ThreadpoolController().select(internal_api="openblas").limit(limits=wanted)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from project.engine import private_api
 from project.engine.config import typos
 from project.engine.config.compose import register_resolvers
-from project.engine.distributed.exits import fail, report_exit
+from project.engine.distributed.exits import EXIT_TEMPFAIL, TemporaryFailure, fail, report_exit
 from project.engine.errors import UserError, from_worker
 from project.engine.run.console import quiet_hydra
 
@@ -39,6 +39,8 @@ def report_user_errors(fn: Callable[[], Any]) -> Any:
     """
     try:
         return fn()
+    except TemporaryFailure as err:  # said in one line, restarted like a crash
+        fail(str(err), EXIT_TEMPFAIL)
     except Exception as err:
         if not isinstance(err, user_errors()):
             raise
