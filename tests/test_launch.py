@@ -132,6 +132,7 @@ def test_two_nodes_c10d_rendezvous(base_args, log_dir) -> None:
     out0, out1 = two_nodes(env, env, [*base_args, *SHORT_LOGGED])
     assert world_size_reported(out0 + out1) == 2
     assert [r.name for r in runs(log_dir)] == ["torchrun-c10d-test"]
+    assert "failed to shutdown the rendezvous" not in out0 + out1, out0[-2000:] + out1[-2000:]
 
 
 def test_two_hosts_in_network_namespaces(netns_pair, base_args, log_dir) -> None:
@@ -255,7 +256,7 @@ def test_printed_torchrun_commands() -> None:
                   MONITOR_INTERVAL="0.5", PYTHON=py)  # fmt: skip
     assert out.splitlines()[-1] == (
         f"+ {py} -m project.launcher --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
-        f"--monitor-interval=0.5 --rdzv-conf={RDZV_CONF.format(60).replace('=5', '=9')} "
+        f"--monitor-interval=0.5 --rdzv-conf={RDZV_CONF.format(60).replace('call_timeout=3', 'call_timeout=9')} "
         "--rdzv-backend=c10d "
         "--rdzv-endpoint=localhost:29400 --rdzv-id=job7 --local-addr=10.0.0.5 -m project.train"
     )
@@ -340,6 +341,75 @@ def test_a_launcher_argument_torch_asserts_on_stops_before_torchrun() -> None:
     assert code == 2 and out.strip() == (
         "error: --nproc-per-node=0 must be a whole number >= 1 (or auto)"
     ), out
+
+
+@pytest.mark.quick
+def test_the_resume_command_says_every_node_for_a_job_of_several(monkeypatch) -> None:
+    """A c10d job (no NODE_RANK in its command) of two nodes: the line says to run it on
+    every node; on one node nothing is added."""
+    from project.engine.launch import env
+
+    monkeypatch.setattr(env, "_run_id", "torchrun-job")  # not agreed through a store
+    typed = "NNODES=1:2 RDZV_ENDPOINT=10.0.0.1:29400 RDZV_ID=job launch/multinode.sh trainer=gpu"
+    monkeypatch.setenv(env.COMMAND_ENV, typed)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    for nodes, said in (("1", ""), ("2", " (on every node)")):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
+        assert env.resume_command() == f"RUN_ID=torchrun-job {typed}{said}"
+    monkeypatch.setenv(env.COMMAND_ENV, "NNODES=2 NODE_RANK=0 launch/multinode.sh")
+    assert env.resume_command().endswith(" (on every node, each with its NODE_RANK)")
+
+
+@pytest.mark.quick
+def test_the_survivor_of_the_store_host_is_told_the_command_that_resumes(
+    tmp_path, monkeypatch
+) -> None:
+    """The node hosting the c10d store died: the survivor's one line ends with the command its
+    worker recorded (what to run, when none did), as the stop line does."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.run import parse_args
+
+    from project.launcher import _rendezvous_line, _resume
+
+    args = parse_args(["--nnodes=1:2", "--rdzv-backend=c10d",
+                       "--rdzv-endpoint=10.0.0.1:29400", "train.py"])  # fmt: skip
+    gone = RendezvousConnectionError("the store is gone")
+    line = _rendezvous_line(gone, args, True, _resume(str(tmp_path), args))
+    assert line.endswith("): the same command, with the run's RUN_ID (on every node)"), line
+    monkeypatch.setenv(exits.EXIT_DIR_ENV, str(tmp_path))
+    exits.record_resume("RUN_ID=torchrun-job NNODES=1:2 launch/multinode.sh (on every node)")
+    line = _rendezvous_line(gone, args, True, _resume(str(tmp_path), args))
+    assert line.startswith("error: the rendezvous store at 10.0.0.1:29400 is gone"), line
+    assert line.endswith(
+        "docs/elastic.md): RUN_ID=torchrun-job NNODES=1:2 launch/multinode.sh (on every node)"
+    ), line
+
+
+@pytest.mark.quick
+def test_the_rendezvous_shutdown_warning_is_shown_only_after_a_failure() -> None:
+    """A node that closes the c10d rendezvous after the store's host exited: torch warns it
+    "failed to shutdown the rendezvous", noise after a run that finished."""
+    import inspect
+    import logging
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from project.launcher import _QuietCleanShutdown
+
+    state = {"finished": False}
+    quiet = _QuietCleanShutdown(state)
+    assert dynamic_rendezvous.logger.name == quiet.LOGGER  # where torch logs it, and what
+    assert "failed to shutdown the rendezvous" in inspect.getsource(dynamic_rendezvous)
+
+    def shown(message: str) -> bool:
+        return quiet.filter(logging.LogRecord(quiet.LOGGER, logging.WARNING, "", 0, message,
+                                              None, None))  # fmt: skip
+
+    warning = ("The node 'a_1_0' has failed to shutdown the rendezvous 'job' due to an error "
+               "of type RendezvousConnectionError.")  # fmt: skip
+    assert shown(warning)  # the run failed: kept
+    state["finished"] = True
+    assert not shown(warning) and shown("another warning")
 
 
 def test_missing_node_is_reported_not_waited_on(base_args) -> None:

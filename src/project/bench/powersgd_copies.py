@@ -134,6 +134,10 @@ def child(args: argparse.Namespace) -> None:
             results[variant].append(list(train(variant, args, clock)))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
+    # Both ranks past their last collective before either tears its group down: a rank that
+    # destroyed it while its peer's gloo threads still worked once aborted ("terminate called
+    # without an active exception", in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 
