@@ -220,6 +220,7 @@ def test_when_the_store_host_dies_the_survivor_says_so_in_one_line(
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "the rendezvous store at 127.0.0.1:" in errors[0], out[-4000:]
     assert "is gone" in errors[0] and "RDZV_ENDPOINT" in errors[0], errors
+    assert "docs/elastic.md): RUN_ID=torchrun-elastic NNODES=1:2 " in errors[0], errors
     assert "frame #" not in out and "Likely causes" not in out, out[-4000:]
     assert not alive(host.pids | other.pids)
 

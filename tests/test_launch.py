@@ -254,9 +254,10 @@ def test_printed_torchrun_commands() -> None:
     out = dry_run("multinode.sh", NNODES="1:4", NPROC_PER_NODE="2", RDZV_ENDPOINT="localhost:29400",
                   RDZV_ID="job7", LOCAL_ADDR="10.0.0.5", RDZV_TIMEOUT="60", RDZV_LAST_CALL="9",
                   MONITOR_INTERVAL="0.5", PYTHON=py)  # fmt: skip
+    conf = RDZV_CONF.format(60).replace("last_call_timeout=3", "last_call_timeout=9")
     assert out.splitlines()[-1] == (
         f"+ {py} -m project.launcher --nnodes=1:4 --nproc-per-node=2 --max-restarts=0 "
-        f"--monitor-interval=0.5 --rdzv-conf={RDZV_CONF.format(60).replace('call_timeout=3', 'call_timeout=9')} "
+        f"--monitor-interval=0.5 --rdzv-conf={conf} "
         "--rdzv-backend=c10d "
         "--rdzv-endpoint=localhost:29400 --rdzv-id=job7 --local-addr=10.0.0.5 -m project.train"
     )

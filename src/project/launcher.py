@@ -77,6 +77,29 @@ class _QuietExpectedExits(logging.Filter):
         return not any(f"(exitcode: {code})" in message for code in said)
 
 
+class _QuietCleanShutdown(logging.Filter):
+    """After a run that finished, the agent hosting the c10d store may exit (the store goes
+    with it) while another agent is still closing the rendezvous: torch's warning that it
+    "failed to shutdown the rendezvous" is then noise. After a failure it is kept."""
+
+    LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"  # by name: no import
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__()
+        self.state = state  # "finished": this node's workers all exited 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        noise = "failed to shutdown the rendezvous" in record.getMessage()
+        return not (noise and self.state["finished"])
+
+
+def _resume(folder: str, args: Any) -> str:
+    """The command that resumes the run, as this node's first worker recorded it."""
+    several = str(args.nnodes).rpartition(":")[2] != "1"  # N, or MIN:MAX's MAX
+    default = "the same command, with the run's RUN_ID" + (" (on every node)" if several else "")
+    return recorded_resume(folder) or default
+
+
 def _failure_line(failures: dict[int, Any]) -> str:
     rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
     how = (
@@ -90,14 +113,14 @@ def _failure_line(failures: dict[int, Any]) -> str:
     )
 
 
-def _signalled(signum: int, folder: str) -> int:
+def _signalled(signum: int, folder: str, args: Any) -> int:
     import signal
 
     name, codes = signal.Signals(signum).name, worker_exits(folder)
     if codes and all(c == 0 for c in codes.values()):
         print(f"launcher: {name} arrived after training had finished: exit 0", file=sys.stderr)
         return 0
-    resume = recorded_resume(folder) or "the same command, with the run's RUN_ID"
+    resume = _resume(folder, args)
     saved = (
         "the workers saved last.ckpt"
         if any(c == EXIT_PREEMPTED for c in codes.values())
@@ -108,7 +131,7 @@ def _signalled(signum: int, folder: str) -> int:
     return EXIT_PREEMPTED
 
 
-def _rendezvous_line(err: BaseException, args: Any, ran: bool) -> str:
+def _rendezvous_line(err: BaseException, args: Any, ran: bool, resume: str) -> str:
     where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
     # The nodes had met and the store stopped answering (not: a node did not come back in
     # time): what is gone is the store, with the node that hosted it.
@@ -116,8 +139,8 @@ def _rendezvous_line(err: BaseException, args: Any, ran: bool) -> str:
         return (
             f"error: the rendezvous store at {where} is gone ({type(err).__name__}): the node "
             f"that hosted it (the agent at {where}) left, and the others cannot meet again "
-            "without it. Resume the run on the nodes left, with RDZV_ENDPOINT on one of them "
-            "(the most reliable: docs/elastic.md)"
+            "without it. Resume the run from its last checkpoint on the nodes left, with "
+            f"RDZV_ENDPOINT on one of them (the most reliable: docs/elastic.md): {resume}"
         )
     return (
         f"error: the rendezvous at {where} did not complete ({type(err).__name__}): not every "
@@ -198,15 +221,16 @@ def _launch(argv: list[str], early: warm.Zygote | None) -> int:
     for name in EXTRA_SIGNALS:
         if name not in args.signals_to_handle:
             args.signals_to_handle += f",{name}"
-    state: dict[str, Any] = {"signal": None, "done": False, "ran": False}
+    state: dict[str, Any] = {"signal": None, "done": False, "ran": False, "finished": False}
     restart_only_crashes(LocalElasticAgent, NO_RESTART)
 
     # The nodes had met once: a store failing from then on is gone with the node hosting it.
     after_rendezvous(LocalElasticAgent, lambda: state.update(ran=True))
     announce_restarts(LocalElasticAgent, lambda line: print(line, file=sys.stderr, flush=True))
-    exit_barrier_on_live_peers(LocalElasticAgent)
+    exit_barrier_on_live_peers(LocalElasticAgent, lambda: state.update(finished=True))
     signals_once(mp_api, state)
     logging.getLogger(mp_api.__name__).addFilter(_QuietExpectedExits())
+    logging.getLogger(_QuietCleanShutdown.LOGGER).addFilter(_QuietCleanShutdown(state))
     folder = tempfile.mkdtemp(prefix="project-exit-")
     os.environ[EXIT_DIR_ENV] = folder  # the workers inherit it
     # What the stop line and the hang report print after `RUN_ID=<id>` (the launch scripts
@@ -220,7 +244,7 @@ def _launch(argv: list[str], early: warm.Zygote | None) -> int:
         return EXIT_OK
     except ChildFailedError as err:
         if state["signal"] is not None:
-            return _signalled(state["signal"], folder)
+            return _signalled(state["signal"], folder, args)
         # The first failure is the cause; the agent then stops the other workers (SIGTERM).
         first = min(err.failures.values(), key=lambda f: f.timestamp)
         if first.exitcode in (*NO_RESTART, EXIT_HUNG, EXIT_TEMPFAIL):  # the workers said why
@@ -228,13 +252,14 @@ def _launch(argv: list[str], early: warm.Zygote | None) -> int:
         print(_failure_line(err.failures), file=sys.stderr, flush=True)
         return EXIT_FAILED
     except mp_api.SignalException as err:
-        return _signalled(int(err.sigval), folder)
+        return _signalled(int(err.sigval), folder, args)
     except warm.WarmStartError as err:
         print(err, file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except Exception as err:
         if "Rendezvous" in type(err).__name__ or "Store" in type(err).__name__:
-            print(_rendezvous_line(err, args, state["ran"]), file=sys.stderr, flush=True)
+            line = _rendezvous_line(err, args, state["ran"], _resume(folder, args))
+            print(line, file=sys.stderr, flush=True)
             return EXIT_FAILED
         raise
     finally:

@@ -292,16 +292,20 @@ def warm_workers(handler_cls: Any, spawn: Callable[[tuple, dict], Any]) -> None:
     handler_cls._popen = _popen
 
 
-def exit_barrier_on_live_peers(agent_cls: Any, poll_s: float = 0.5) -> None:
+def exit_barrier_on_live_peers(
+    agent_cls: Any, finished: Callable[[], None] = lambda: None, poll_s: float = 0.5
+) -> None:
     """torchrun's agent waits at the end for every agent of its group (up to
     `exit_barrier_timeout`, 300 s): the one hosting the rendezvous store must not take it away
     from the others while they still use it. An agent that died never arrives; wait only for
     those whose rendezvous heartbeats still come (the rendezvous drops a node silent for
-    keep_alive_interval x keep_alive_max_attempt)."""
+    keep_alive_interval x keep_alive_max_attempt). `finished` is called first: the agent
+    reaches the barrier only once this node's workers have all exited 0."""
 
     def _exit_barrier(self: Any) -> None:
         import time
 
+        finished()
         store, group = self._store, self._worker_group
         key = f"project.exit_barrier.{group.group_world_size}"
         deadline = time.monotonic() + self._exit_barrier_timeout

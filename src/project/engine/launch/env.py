@@ -123,8 +123,22 @@ def resume_command() -> str:
     if not typed and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
         typed = "<the same torchrun command>"  # a worker cannot see torchrun's own arguments
     typed = typed or shlex.join(["python", *sys.orig_argv[1:]])
-    nodes = " (on every node, each with its NODE_RANK)" if "NODE_RANK=" in typed else ""
+    nodes = ""
+    if "NODE_RANK=" in typed:
+        nodes = " (on every node, each with its NODE_RANK)"
+    elif node_count() > 1:  # c10d, torchrun's own flags, srun: the same line on every node
+        nodes = " (on every node)"
     return f"RUN_ID={run_id()} {typed}{nodes}"
+
+
+def node_count(env: Mapping[str, str] = os.environ) -> int:
+    """The nodes this job runs on now: torchrun's GROUP_WORLD_SIZE (its agents in this
+    round), srun's SLURM_NNODES; 1 for any other start."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return int(env.get("GROUP_WORLD_SIZE", 1))
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # a step's task, not the batch shell
+        return int(env.get("SLURM_NNODES", 1))
+    return 1
 
 
 def command_digest(overrides: list[str]) -> str:

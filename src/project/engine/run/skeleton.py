@@ -34,7 +34,7 @@ from project.engine.distributed.exits import (
 )
 from project.engine.distributed.ledger import Ledger
 from project.engine.errors import UserError
-from project.engine.launch.env import is_rank_zero, resume_command
+from project.engine.launch.env import is_rank_zero, local_rank, resume_command
 from project.engine.run.console import warnings_held_back
 from project.engine.run.results import METRICS_FILE, read_metrics, write_metrics
 
@@ -259,8 +259,8 @@ def fit_and_test_then_stop(
     from project.engine.run import goodput, watch
 
     how = ledgers.ENDED_FAILED
-    if is_rank_zero():
-        record_resume(resume_command())  # for the launcher's line, should it be stopped
+    if local_rank() == 0:  # every node's launcher prints it (a stop, the store's host gone)
+        record_resume(resume_command())
     try:
         with errors_reported():
             metrics = fit_and_test(run)
